@@ -1,0 +1,75 @@
+"""Attention and cache kernels with one signature per op: Triton on CUDA tensors, PyTorch elsewhere.
+
+`PAGED_BACKEND_KERNELS=triton|torch` forces one implementation (with `TRITON_INTERPRET=1`, `triton`
+runs the Triton kernels on the CPU, slowly).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch
+
+from . import reference
+from .reference import AttentionPlan, dense_attention, plan_paged_attention
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def kernel_backend(tensor: torch.Tensor) -> str:
+    """'triton' or 'torch' for a tensor, honouring PAGED_BACKEND_KERNELS."""
+    choice = os.environ.get("PAGED_BACKEND_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _BACKENDS:
+        raise ValueError(f"PAGED_BACKEND_KERNELS must be one of {_BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if tensor.is_cuda and _triton_kernels() is not None else "torch"
+    return choice
+
+
+def _triton_kernels():
+    try:
+        from . import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels
+
+
+def _impl(tensor: torch.Tensor):
+    if kernel_backend(tensor) == "torch":
+        return reference
+    kernels = _triton_kernels()
+    if kernels is None:
+        raise RuntimeError("PAGED_BACKEND_KERNELS=triton but the Triton kernels cannot be imported "
+                           "(is the `triton` package installed?)")
+    return kernels
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the step's new K/V `[num_tokens, num_kv_heads, head_size]` into their slots."""
+    _impl(key_cache).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, out: Optional[torch.Tensor] = None,
+                    plan: Optional[AttentionPlan] = None) -> torch.Tensor:
+    """Attention over a paged KV cache for decode and (chunked) prefill queries, GQA included."""
+    impl = _impl(key_cache)
+    if impl is reference:
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                         query_start_loc, scale, out=out, plan=plan)
+    return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                                scale, out=out)
+
+
+def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copy blocks `src -> dst` in every layer's cache (copy-on-write)."""
+    if block_mapping.numel():
+        _impl(key_caches[0]).copy_blocks(key_caches, value_caches, block_mapping)
+
+
+__all__ = ["AttentionPlan", "copy_blocks", "dense_attention", "kernel_backend", "paged_attention",
+           "plan_paged_attention", "reshape_and_cache"]

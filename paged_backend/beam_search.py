@@ -1,0 +1,142 @@
+"""Beam search with the exact semantics of Hugging Face transformers (5.x), one request at a time.
+
+Each step takes the log-probabilities of the live beams (in the order of the previous step's
+ranking), keeps the top `(1 + num_eos) * k` continuations, finalizes those that end (EOS or length)
+if they rank in the top `k`, continues the best `k` that did not end, and applies the
+`early_stopping` rules. Scores are float32 tensors combined in the same order as transformers does,
+so hypotheses and scores match it exactly. The engine maps the decisions onto forked sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple, Union
+
+import torch
+
+_BIG = -1.0e9
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its generated tokens, summed log-prob and length-normalized score."""
+
+    token_ids: List[int]
+    sum_logprob: float
+    score: float
+
+
+@dataclass
+class BeamDecision:
+    """The continuation chosen for one new live beam."""
+
+    parent: int       # index of the parent among the live beams
+    token_id: int
+    logprob: float    # log-prob of this token under the parent
+    score: float      # running summed log-prob
+
+
+@dataclass
+class BeamSearchState:
+    """Live beam scores and the k slots of finished hypotheses of one request."""
+
+    beam_width: int
+    prompt_len: int
+    max_length: int
+    length_penalty: float
+    early_stopping: Union[bool, str]
+    eos_ids: List[int]
+    running_scores: torch.Tensor = field(init=False)
+    finished_scores: torch.Tensor = field(init=False)
+    finished_flags: torch.Tensor = field(init=False)
+    finished: List[Optional[Hypothesis]] = field(init=False)
+    heuristic_unsatisfied: bool = True
+    done: bool = False
+    cur_len: int = field(init=False)
+    pending: Dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> log-probs awaiting siblings
+
+    def __post_init__(self) -> None:
+        self.running_scores = torch.zeros(1, dtype=torch.float32)
+        self.finished_scores = torch.full((self.beam_width,), _BIG, dtype=torch.float32)
+        self.finished_flags = torch.zeros(self.beam_width, dtype=torch.bool)
+        self.finished = [None] * self.beam_width
+        self.cur_len = self.prompt_len
+        self._eos_set: Set[int] = set(self.eos_ids)
+
+    @property
+    def num_candidates(self) -> int:
+        return max(2, 1 + len(self.eos_ids)) * self.beam_width
+
+    def step(self, log_probs: torch.Tensor, beam_tokens: List[List[int]]) -> List[BeamDecision]:
+        """Advance by one token. `log_probs` `[live beams, vocab]` (processed, float32) and each live
+        beam's generated tokens so far; returns the new live beams, best first."""
+        k = self.beam_width
+        vocab = log_probs.shape[1]
+        accumulated = (log_probs + self.running_scores[:, None]).reshape(-1)
+        top_scores, top_index = torch.topk(accumulated, k=self.num_candidates)
+        parents = (top_index // vocab).tolist()
+        tokens = (top_index % vocab).tolist()
+        at_max_length = self.cur_len + 1 >= self.max_length
+        hits = torch.tensor([at_max_length or t in self._eos_set for t in tokens], dtype=torch.bool)
+
+        running = top_scores + hits.to(torch.float32) * _BIG
+        keep = torch.topk(running, k=k)[1].tolist()
+        decisions = [BeamDecision(parents[c], tokens[c], float(log_probs[parents[c], tokens[c]]), float(running[c]))
+                     for c in keep]
+        self._update_finished(top_scores, hits, parents, tokens, beam_tokens)
+        self.running_scores = running[keep]
+        self.cur_len += 1
+        self._update_done(hits)
+        return decisions
+
+    def _update_finished(self, top_scores: torch.Tensor, hits: torch.Tensor, parents: List[int],
+                         tokens: List[int], beam_tokens: List[List[int]]) -> None:
+        k = self.beam_width
+        top_mask = torch.arange(len(tokens)) < k
+        just_finished = hits & top_mask
+        scores = top_scores / ((self.cur_len + 1 - self.prompt_len) ** self.length_penalty)
+        full = bool(self.finished_flags.all()) and self.early_stopping is True
+        scores += torch.tensor(float(full), dtype=torch.float32) * _BIG
+        scores += torch.tensor(float(not self.heuristic_unsatisfied), dtype=torch.float32) * _BIG
+        scores += (~just_finished) * _BIG
+        merged_scores = torch.cat((self.finished_scores, scores))
+        merged_flags = torch.cat((self.finished_flags, just_finished))
+        chosen = torch.topk(merged_scores, k=k)[1].tolist()
+        slots: List[Optional[Hypothesis]] = []
+        for c in chosen:
+            if c < k:
+                slots.append(self.finished[c])
+            elif bool(just_finished[c - k]):
+                j = c - k
+                slots.append(Hypothesis(beam_tokens[parents[j]] + [tokens[j]], float(top_scores[j]),
+                                        float(merged_scores[c])))
+            else:
+                slots.append(None)
+        self.finished = slots
+        self.finished_scores = merged_scores[chosen]
+        self.finished_flags = merged_flags[chosen]
+
+    def _update_done(self, hits: torch.Tensor) -> None:
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_len = self.max_length - self.prompt_len
+        else:
+            best_len = self.cur_len - self.prompt_len
+        best_possible = self.running_scores[:1] / (best_len ** self.length_penalty)
+        worst_finished = torch.where(self.finished_flags, torch.min(self.finished_scores),
+                                     torch.tensor(_BIG, dtype=torch.float32))
+        self.heuristic_unsatisfied = self.heuristic_unsatisfied and bool(torch.any(best_possible > worst_finished))
+        exists_open_beam = not (bool(self.finished_flags.all()) and self.early_stopping is True)
+        valid_continuations = not bool(hits.all())
+        self.done = not (self.heuristic_unsatisfied and exists_open_beam and valid_continuations)
+
+    def best(self, n: int) -> List[Hypothesis]:
+        """The n best finished hypotheses, best first."""
+        return [h for h in self.finished[:n] if h is not None]
+
+
+def group_children(decisions: List[BeamDecision], num_parents: int) -> List[List[Tuple[int, BeamDecision]]]:
+    """For each parent beam, the (new position, decision) pairs that continue it."""
+    children: List[List[Tuple[int, BeamDecision]]] = [[] for _ in range(num_parents)]
+    for position, decision in enumerate(decisions):
+        children[decision.parent].append((position, decision))
+    return children

@@ -1,0 +1,81 @@
+"""The paged KV cache tensors: one `[num_blocks, block_size, num_kv_heads, head_size]` K and V per
+layer on the model's device, a host copy of the same shape for swapped blocks, and block moves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from . import kernels
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one token costs in the cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * torch.empty((), dtype=dtype).element_size()
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * self.bytes_per_token(dtype)
+
+    def shard(self, world_size: int) -> "KVGeometry":
+        """The geometry of one tensor-parallel rank (its own KV heads)."""
+        return KVGeometry(self.num_layers, self.num_kv_heads // world_size, self.head_size)
+
+
+def kv_geometry(config) -> KVGeometry:
+    """Layers, KV heads and head size of a Hugging Face decoder config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return KVGeometry(config.num_hidden_layers, kv_heads, head_size)
+
+
+class CacheEngine:
+    """Owns the device KV cache and the host swap space; swaps and copies blocks in batches."""
+
+    def __init__(self, geometry: KVGeometry, block_size: int, num_blocks: int, num_swap_blocks: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.geometry = geometry
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        shape = (geometry.num_layers, 2, num_blocks, block_size, geometry.num_kv_heads, geometry.head_size)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        host_shape = (geometry.num_layers, 2, num_swap_blocks) + shape[3:]
+        pin = torch.device(device).type == "cuda"
+        self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
+        self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [(self.kv[i, 0], self.kv[i, 1])
+                                                                    for i in range(geometry.num_layers)]
+
+    def swap_out(self, mapping: Dict[int, int]) -> None:
+        """Copy device blocks to host blocks (`mapping`: device -> host)."""
+        if mapping:
+            src, dst = self._index(mapping, self.kv.device)
+            self.host_kv[:, :, dst.cpu()] = self.kv[:, :, src].to("cpu")
+
+    def swap_in(self, mapping: Dict[int, int]) -> None:
+        """Copy host blocks back to device blocks (`mapping`: host -> device)."""
+        if mapping:
+            src, dst = self._index(mapping, self.kv.device)
+            self.kv[:, :, dst] = self.host_kv[:, :, src.cpu()].to(self.kv.device, non_blocking=True)
+
+    def copy(self, pairs: Sequence[Tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate source blocks into destination blocks in every layer."""
+        if pairs:
+            mapping = torch.tensor(pairs, dtype=torch.long, device=self.kv.device)
+            kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+
+    @staticmethod
+    def _index(mapping: Dict[int, int], device) -> Tuple[torch.Tensor, torch.Tensor]:
+        src = torch.tensor(list(mapping.keys()), dtype=torch.long, device=device)
+        dst = torch.tensor(list(mapping.values()), dtype=torch.long, device=device)
+        return src, dst

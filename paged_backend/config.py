@@ -1,0 +1,126 @@
+"""Engine configuration: small validated dataclasses for the cache, the scheduler and parallelism."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+}
+
+PREEMPTION_MODES = (None, "recompute", "swap")
+
+
+def parse_memory(value: Union[int, float, str, None], what: str = "memory") -> Optional[int]:
+    """Turn 512MiB, "1.5GB", 1048576 or None into a byte count (or None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a byte count or a string such as '512MiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        nbytes = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{what}: cannot parse {value!r}; use bytes or a size such as '512MiB' or '2GB'")
+        nbytes = int(float(match.group(1)) * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return nbytes
+
+
+@dataclass
+class CacheConfig:
+    """How the paged KV cache is sized: block size, device blocks and host swap blocks."""
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_cache_memory: Optional[Union[int, str]] = None
+    num_swap_blocks: Optional[int] = None
+    swap_space: Optional[Union[int, str]] = None
+    enable_prefix_caching: bool = False
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give either num_blocks or kv_cache_memory, not both")
+        if self.num_swap_blocks is not None and self.swap_space is not None:
+            raise ValueError("give either num_swap_blocks or swap_space, not both")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer, got {self.num_blocks!r}")
+        if self.num_swap_blocks is not None and (not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
+            raise ValueError(f"num_swap_blocks must be a non-negative integer, got {self.num_swap_blocks!r}")
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv_cache_memory")
+        if self.swap_space is not None and self.swap_space != 0:
+            self.swap_space = parse_memory(self.swap_space, "swap_space")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step budgets and the preemption policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism: how many ranks share the model's heads."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model itself."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from the flat keyword names that `LLM(...)` and the CLIs use; unknown names raise."""
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        values: dict = {name: {} for name in parts}
+        seed = kwargs.pop("seed", 0)
+        for key, value in kwargs.items():
+            owner = next((name for name, part in parts.items() if key in part.__dataclass_fields__), None)
+            if owner is None:
+                raise ValueError(f"unknown engine option {key!r}")
+            values[owner][key] = value
+        if not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        return cls(**{name: parts[name](**values[name]) for name in parts}, seed=seed)
+
+
+ENGINE_OPTION_NAMES = tuple(
+    sorted(set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
+           | set(ParallelConfig.__dataclass_fields__) | {"seed"})
+)

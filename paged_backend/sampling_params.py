@@ -1,0 +1,138 @@
+"""`SamplingParams`: how to pick tokens for one request, validated at construction (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+_EPS = 1e-6
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping for one request.
+
+    temperature=0 is greedy. `beam_width > 1` turns on beam search (then temperature must be 0 and
+    `n <= beam_width`). `max_tokens=None` generates until EOS, a stop condition or the context limit.
+    """
+
+    n: int = 1
+    best_of: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = None
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
+    output_scores: bool = False  # keep the processed per-step scores (used by the HF adapter)
+    stop_strings: List[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_counts()
+        self._check_sampling()
+        self._check_stops()
+        self._check_beam()
+
+    def _check_counts(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.best_of) or self.best_of < self.n:
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    def _check_sampling(self) -> None:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.is_greedy and self.best_of > 1 and self.beam_width == 1:
+            raise ValueError(f"best_of={self.best_of} needs sampling: greedy (temperature=0) gives one answer")
+
+    def _check_stops(self) -> None:
+        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def _check_beam(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if not _is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.beam_width == 1:
+            return
+        if self.temperature > _EPS:
+            raise ValueError("beam search (beam_width > 1) needs temperature=0")
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must not exceed beam_width ({self.beam_width})")
+        if self.best_of not in (self.n, self.beam_width):
+            raise ValueError("best_of has no meaning with beam search; use beam_width")
+        if self.min_p > 0 or self.top_k != -1 or self.top_p < 1.0:
+            raise ValueError("top_k, top_p and min_p do not apply to beam search")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _EPS
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def num_branches(self) -> int:
+        """Sequences the request runs at once after its prompt: best_of samples or beam_width beams."""
+        return self.beam_width if self.use_beam_search else self.best_of
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A validated copy with some fields changed."""
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
+        if "n" in changes and "best_of" not in changes and values["best_of"] == values["n"]:
+            values["best_of"] = None
+        values.update(changes)
+        return SamplingParams(**values)

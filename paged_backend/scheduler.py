@@ -1,0 +1,236 @@
+"""Iteration-level scheduler: which requests run in the next step, and which are preempted.
+
+Every step it keeps running requests going (first come, first served), preempting whole requests
+from the back when their next slots do not fit, brings swapped requests back, and only then admits
+waiting ones. Prompts larger than the token budget are prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
+
+from .block_manager import AllocStatus, BlockManager
+from .config import SchedulerConfig
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: tokens [seq.num_computed_tokens, + num_tokens)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk ends at the sequence's last token, so the step samples its next one."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the engine must do this step, in order: swap out, swap in, copy, then run the model."""
+
+    scheduled: List[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: Dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_in: Dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: List[Tuple[int, int]] = field(default_factory=list)
+    preempted: List[SequenceGroup] = field(default_factory=list)
+    failed: List[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+class _Budget:
+    def __init__(self, max_tokens: int, max_seqs: int) -> None:
+        self.tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.seqs = 0
+
+
+class Scheduler:
+    """Waiting, running and swapped queues of whole requests over one block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: Deque[SequenceGroup] = deque()
+        self.running: List[SequenceGroup] = []
+        self.swapped: List[SequenceGroup] = []
+        self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+
+    # ---- queues ------------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def abort(self, request_id: str) -> Optional[SequenceGroup]:
+        """Remove a request wherever it is and free its blocks; returns it, or None if unknown."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    self.finish_group(group, SequenceStatus.FINISHED_ABORTED)
+                    return group
+        return None
+
+    def finish_group(self, group: SequenceGroup, status: SequenceStatus, error: Optional[str] = None) -> None:
+        for seq in group.unfinished_seqs():
+            seq.status = status
+        if error is not None:
+            group.error = error
+        self.block_manager.free_group(group)
+
+    def free_finished(self) -> List[SequenceGroup]:
+        """Free the blocks of finished sequences; drop finished requests from the running queue."""
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.is_finished():
+                    self.block_manager.free(seq)
+        done = [g for g in self.running if g.is_finished()]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished()]
+        return done
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        kept = self._keep_running(out)
+        budget.seqs = sum(g.max_num_running_seqs() for g in kept)
+        if not out.preempted:
+            kept += self._swap_in(out, budget)
+        self.running = kept
+        self._schedule_tokens(kept, out, budget)
+        if not out.preempted and not self.swapped:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _keep_running(self, out: SchedulerOutput) -> List[SequenceGroup]:
+        """Give every running request slots for its next tokens, preempting from the back."""
+        queue = deque(sorted(self.running, key=lambda g: g.metrics.arrival_time))
+        kept: List[SequenceGroup] = []
+        bm = self.block_manager
+        while queue:
+            group = queue.popleft()
+            while not bm.can_append_slots(group):
+                if queue:
+                    self._preempt(queue.pop(), out)
+                    continue
+                if kept:
+                    self._preempt(group, out)
+                else:
+                    needed = bm.num_blocks_to_append(group.get_seqs(SequenceStatus.RUNNING))
+                    self.finish_group(group, SequenceStatus.FINISHED_ABORTED,
+                                      f"request {group.request_id!r} needs {needed} more KV blocks than the cache "
+                                      f"has free ({bm.get_num_free_blocks()} of {bm.num_blocks}) even running alone")
+                    out.failed.append(group)
+                break
+            else:
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    out.blocks_to_copy += bm.append_slots(seq)
+                kept.append(group)
+        return kept
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        mode = self.config.preemption_mode
+        if mode is None:
+            mode = "recompute" if group.max_num_running_seqs() == 1 else "swap"
+        if mode == "swap" and not self.block_manager.can_swap_out(group):
+            mode = "recompute"
+        if mode == "swap":
+            out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+            group.set_status(SequenceStatus.SWAPPED)
+            self.swapped.append(group)
+            self.num_swap_preemptions += 1
+        else:
+            for seq in group.unfinished_seqs():
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+            group.set_status(SequenceStatus.WAITING)
+            self.waiting.appendleft(group)
+            self.num_recompute_preemptions += 1
+        group.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(group)
+
+    def _swap_in(self, out: SchedulerOutput, budget: _Budget) -> List[SequenceGroup]:
+        """Bring swapped requests back in arrival order while blocks and the sequence budget allow."""
+        self.swapped.sort(key=lambda g: g.metrics.arrival_time)
+        back: List[SequenceGroup] = []
+        bm = self.block_manager
+        while self.swapped:
+            group = self.swapped[0]
+            if budget.seqs + group.max_num_running_seqs() > budget.max_seqs or not bm.can_swap_in(group):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.update(bm.swap_in(group))
+            group.set_status(SequenceStatus.RUNNING)
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                out.blocks_to_copy += bm.append_slots(seq)
+            budget.seqs += group.max_num_running_seqs()
+            back.append(group)
+        return back
+
+    def _schedule_tokens(self, groups: List[SequenceGroup], out: SchedulerOutput, budget: _Budget) -> None:
+        """Decode tokens first (one per sequence), then prefill chunks, within the token budget."""
+        decoding = [g for g in groups if all(not s.is_prefill for s in g.get_seqs(SequenceStatus.RUNNING))]
+        prefilling = [g for g in groups if g not in decoding]
+        for group in decoding:
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            if len(seqs) > budget.tokens:
+                break
+            for seq in seqs:
+                out.scheduled.append(ScheduledSeq(group, seq, 1))
+            budget.tokens -= len(seqs)
+        for group in prefilling:
+            self._schedule_chunks(group, out, budget)
+
+    def _schedule_chunks(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            chunk = min(seq.num_uncomputed_tokens, budget.tokens)
+            if chunk <= 0:
+                return
+            out.scheduled.append(ScheduledSeq(group, seq, chunk))
+            budget.tokens -= chunk
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        bm = self.block_manager
+        while self.waiting and budget.tokens > 0:
+            group = self.waiting[0]
+            status = bm.can_allocate(group)
+            if status == AllocStatus.NEVER:
+                self.waiting.popleft()
+                tokens = sum(len(s) for s in group.get_seqs(SequenceStatus.WAITING))
+                self.finish_group(group, SequenceStatus.FINISHED_ABORTED,
+                                  f"request {group.request_id!r} needs {bm.blocks_for(tokens)} KV blocks for its "
+                                  f"{tokens} prompt tokens but the cache holds only {bm.num_blocks} blocks of "
+                                  f"{bm.block_size} tokens")
+                out.failed.append(group)
+                continue
+            if status == AllocStatus.LATER:
+                break
+            if budget.seqs + group.max_num_running_seqs() > budget.max_seqs:
+                break
+            self.waiting.popleft()
+            bm.allocate(group)
+            group.set_status(SequenceStatus.RUNNING)
+            budget.seqs += group.max_num_running_seqs()
+            self.running.append(group)
+            self._schedule_chunks(group, out, budget)
