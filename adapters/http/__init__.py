@@ -1,0 +1,1 @@
+"""TGI- and OpenAI-compatible HTTP server over `AsyncLLMEngine` (`paged-backend serve`)."""

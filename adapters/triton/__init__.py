@@ -1,0 +1,1 @@
+"""NVIDIA Triton Inference Server Python-backend model over `AsyncLLMEngine`."""

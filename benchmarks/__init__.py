@@ -1,0 +1,1 @@
+"""Reproductions of the PagedAttention paper's measurements (`paged-backend bench NAME`)."""

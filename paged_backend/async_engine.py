@@ -1,0 +1,170 @@
+"""`AsyncLLMEngine`: the engine behind an asyncio server, one stream of outputs per request.
+
+Steps run in a worker thread, so the event loop stays responsive; requests added or aborted while a
+step runs are applied between steps. The loop task exists only while there is work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+from typing import AsyncIterator, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .engine import LLMEngine, PromptType
+from .metrics import EngineStats
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    """Streams cumulative `RequestOutput`s per request; aborting or cancelling frees its blocks."""
+
+    def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
+                 dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                 **engine_options) -> None:
+        self._init(LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device, **engine_options))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "AsyncLLMEngine":
+        self = cls.__new__(cls)
+        self._init(engine)
+        return self
+
+    def _init(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: Dict[str, asyncio.Queue] = {}
+        self._pending_adds: List[Tuple[str, PromptType, SamplingParams]] = []
+        self._pending_aborts: List[str] = []
+        self._task: Optional[asyncio.Task] = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-step")
+        self._ids = itertools.count()
+        self._stats = engine.get_stats()
+        self._closed = False
+        self.errored: Optional[BaseException] = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        """The statistics as of the last step (safe to call while a step runs)."""
+        return self._stats
+
+    def validate(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Token ids of a prompt, or a ValueError for input the engine would refuse."""
+        ids = self.engine.encode(prompt)
+        if len(ids) >= self.engine.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.engine.max_model_len} "
+                             f"tokens and at least one must remain for output")
+        bm = self.engine.block_manager
+        if bm.blocks_for(len(ids) + 1) > bm.num_blocks - bm.watermark_blocks:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit in the KV cache "
+                             f"({bm.num_blocks} blocks of {bm.block_size} tokens)")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        return ids
+
+    async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step it takes part in; the last one is finished."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        params = SamplingParams() if params is None else params
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._pending_adds.append((request_id, prompt, params))
+        self._start()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the next step."""
+        if any(r == request_id for r, _, _ in self._pending_adds):
+            self._pending_adds = [p for p in self._pending_adds if p[0] != request_id]
+            self._stats = self.engine.get_stats() if self._task is None else self._stats
+            return
+        self._pending_aborts.append(request_id)
+        self._start()
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put_nowait(output)
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for request_id, prompt, params in adds:
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait(exc)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for output in self.engine.abort_request(aborts):
+            self._deliver(output)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.get_stats()
+                if not self._pending_adds and not self._pending_aborts:
+                    return
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
+                self._fail_all(exc)
+                continue
+            self._stats = self.engine.get_stats()
+            for output in outputs:
+                self._deliver(output)
+
+    def _fail_all(self, exc: Exception) -> None:
+        ids = list(self.engine.groups)
+        self.engine.abort_request(ids)
+        for request_id in ids:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
+        self._stats = self.engine.get_stats()
+
+    async def wait_idle(self) -> None:
+        """Wait until the background loop has nothing left to do."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, free its blocks and stop the worker thread."""
+        self._closed = True
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+        await self.wait_idle()
+        self._executor.shutdown(wait=True)
+        self.engine.shutdown()

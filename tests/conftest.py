@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny models are built once per session and reused (they are deterministic)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from paged_backend.loader import load_model  # noqa: E402
+
+TINY_MODELS = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")
+_cache = {}
+
+
+def get_model(name: str, dtype: torch.dtype = torch.float64):
+    """(model, tokenizer), cached for the whole session; callers must not modify the model."""
+    key = (name, dtype)
+    if key not in _cache:
+        _cache[key] = load_model(name, dtype=dtype)
+    return _cache[key]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return get_model("smollm2", torch.float32)
+
+
+def assert_no_leaks(engine) -> None:
+    """Every device and swap block is back in its pool and no request is left."""
+    stats = engine.get_stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_free_blocks == stats.num_blocks, stats
+    assert stats.num_free_swap_blocks == stats.num_swap_blocks, stats
+    bm = engine.block_manager
+    assert not bm.block_tables and not bm.swapped_tables
