@@ -55,17 +55,7 @@ class AsyncLLMEngine:
 
     def validate(self, prompt: PromptType, params: SamplingParams) -> List[int]:
         """Token ids of a prompt, or a ValueError for input the engine would refuse."""
-        ids = self.engine.encode(prompt)
-        if len(ids) >= self.engine.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.engine.max_model_len} "
-                             f"tokens and at least one must remain for output")
-        bm = self.engine.block_manager
-        if bm.blocks_for(len(ids) + 1) > bm.num_blocks - bm.watermark_blocks:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit in the KV cache "
-                             f"({bm.num_blocks} blocks of {bm.block_size} tokens)")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        return ids
+        return self.engine.validate_request(prompt, params)
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:

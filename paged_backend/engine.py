@@ -115,23 +115,32 @@ class LLMEngine:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         return ids
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue a request; raises ValueError for bad input or a prompt that can never fit."""
-        params = SamplingParams() if params is None else params
+    def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Token ids of a prompt, or a ValueError naming why the engine would refuse the request.
+        Reads only configuration, so it is safe to call while a step runs in another thread."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
                              f"and at least one must remain for output")
+        if params.num_branches > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"the request runs {params.num_branches} sequences at once (best_of / beam_width) "
+                             f"but max_num_seqs is {self.config.scheduler.max_num_seqs}")
         bm = self.block_manager
         needed = bm.blocks_for(len(ids) + 1)
         if needed > bm.num_blocks - bm.watermark_blocks:
             raise ValueError(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
                              f"{bm.num_blocks} blocks of {bm.block_size} tokens")
+        return ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue a request; raises ValueError for bad input or a prompt that can never fit."""
+        params = SamplingParams() if params is None else params
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.validate_request(prompt, params)
         group = SequenceGroup(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                               arrival_time, self.eos_token_ids)
         if params.seed is not None:
@@ -176,11 +185,11 @@ class LLMEngine:
         inputs.swap_out, inputs.swap_in, inputs.copies = (sched.blocks_to_swap_out, sched.blocks_to_swap_in,
                                                           sched.blocks_to_copy)
         if sched.scheduled or inputs.swap_in or inputs.swap_out or inputs.copies:
+            used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
+            self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
             logits = self.runner.execute(inputs)
             self._process(sched, logits)
             self.counters.num_steps += 1
-        used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
-        self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
         finished = {g.request_id for g in self.scheduler.free_finished()}
         seen = set()
         for item in sched.scheduled:
@@ -392,6 +401,7 @@ class LLMEngine:
             prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_hits=cache.num_hits if cache else 0,
             num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
+            peak_used_blocks=self.counters.peak_used_blocks,
             num_prompt_tokens=self.counters.num_prompt_tokens,
             num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,

@@ -28,6 +28,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_cached_prefill_tokens: int  # prompt tokens whose prefill the prefix cache skipped
     num_copy_on_write: int
+    peak_used_blocks: int           # most device blocks held at once since the engine started
     num_prompt_tokens: int          # tokens run through the model as prefill
     num_generated_tokens: int
     num_steps: int

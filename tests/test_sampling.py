@@ -1,0 +1,187 @@
+"""Sampling: parallel samples share blocks, seeds reproduce, distributions match, stops and penalties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks, get_model
+from paged_backend import LLM, SamplingParams
+
+PROMPT = "Once upon a time in a land far away, there was a small village where"
+
+
+def make_llm(name="tiny-llama", **options):
+    model, tok = get_model(name)
+    options.setdefault("num_blocks", 128)
+    return LLM(model, tokenizer=tok, **options)
+
+
+def test_parallel_samples_share_prompt_blocks():
+    prompt = PROMPT + " the"
+    assert len(get_model("tiny-llama")[1](prompt).input_ids) % 8  # a partly filled last block to copy on write
+    shared = make_llm(block_size=8)
+    out = shared.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True, seed=1),
+                          use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 12 for c in out.outputs)
+    separate = make_llm(block_size=8)
+    separate.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1),
+                      use_tqdm=False)
+    assert shared.get_stats().peak_used_blocks < separate.get_stats().peak_used_blocks
+    assert shared.get_stats().num_copy_on_write > 0
+    assert_no_leaks(shared.engine)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = make_llm().generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.2, max_tokens=15, ignore_eos=True)
+    batch = make_llm(seed=99).generate(["Hello", PROMPT, "Another prompt"], [others, params, others],
+                                       use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    n_out = make_llm().generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
+    n_again = make_llm().generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
+    assert [c.token_ids for c in n_out.outputs] == [c.token_ids for c in n_again.outputs]
+
+
+def test_top_k_one_equals_greedy():
+    greedy = make_llm().generate([PROMPT, "Hi"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                 use_tqdm=False)
+    top1 = make_llm().generate([PROMPT, "Hi"], SamplingParams(temperature=1.3, top_k=1, max_tokens=10,
+                                                              ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
+
+
+def _first_token_probs(model, tok, prompt, top_k, temperature):
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].float() / temperature
+    values, index = logits.topk(top_k)
+    return dict(zip(index.tolist(), values.softmax(-1).tolist()))
+
+
+@pytest.mark.parametrize("top_k, temperature", [(6, 1.0), (4, 0.5)])
+def test_first_token_frequencies_match_softmax(top_k, temperature):
+    model, tok = get_model("tiny-llama")
+    expected = _first_token_probs(model, tok, PROMPT, top_k, temperature)
+    llm = make_llm(max_num_seqs=256, seed=7)
+    draws = 2000
+    params = SamplingParams(n=200, temperature=temperature, top_k=top_k, max_tokens=1)
+    outs = llm.generate([PROMPT] * (draws // 200), params, use_tqdm=False)
+    counts = {t: 0 for t in expected}
+    for out in outs:
+        for c in out.outputs:
+            counts[c.token_ids[0]] += 1  # a KeyError here means a token outside the top-k was drawn
+    chi2 = sum((counts[t] - draws * p) ** 2 / (draws * p) for t, p in expected.items())
+    critical = {5: 20.52, 3: 16.27}[top_k - 1]  # chi-square 0.999 quantile for top_k - 1 degrees of freedom
+    assert chi2 < critical, (chi2, counts, expected)
+    assert_no_leaks(llm.engine)
+
+
+def test_top_p_and_min_p_keep_only_the_nucleus():
+    model, tok = get_model("tiny-llama")
+    probs = _first_token_probs(model, tok, PROMPT, len(tok), 1.0)
+    ranked = sorted(probs.items(), key=lambda kv: -kv[1])
+    nucleus, total = set(), 0.0
+    for token, p in ranked:
+        nucleus.add(token)
+        total += p
+        if total >= 0.3:
+            break
+    outs = make_llm().generate([PROMPT] * 5, SamplingParams(n=40, top_p=0.3, max_tokens=1), use_tqdm=False)
+    assert {c.token_ids[0] for o in outs for c in o.outputs} <= nucleus
+    top_prob = ranked[0][1]
+    allowed = {t for t, p in probs.items() if p >= 0.5 * top_prob}
+    outs = make_llm().generate([PROMPT] * 5, SamplingParams(n=40, min_p=0.5, max_tokens=1), use_tqdm=False)
+    assert {c.token_ids[0] for o in outs for c in o.outputs} <= allowed
+
+
+def test_repetition_penalty_matches_hf():
+    model, tok = get_model("tiny-gpt2")
+    llm = make_llm("tiny-gpt2")
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    ids = tok(PROMPT, return_tensors="pt")
+    ref = model.generate(**ids, do_sample=False, repetition_penalty=1.5, max_new_tokens=16, min_new_tokens=16)
+    assert out.outputs[0].token_ids == ref[0, ids.input_ids.shape[1]:].tolist()
+
+
+def test_frequency_and_presence_penalties_discourage_repeats():
+    llm = make_llm("tiny-opt")
+    plain = llm.generate(["1 1 1 1"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself
+    penalized = llm.generate(["1 1 1 1"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                         presence_penalty=2.0, frequency_penalty=2.0),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(penalized)) > len(set(plain))
+
+
+def test_stop_strings_and_stop_tokens():
+    llm = make_llm()
+    free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[6:10]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, stop=[stop, "never here"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[: free.text.index(stop)]
+    kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, stop=stop,
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(stop) + len(stop)]
+    third = free.token_ids[2]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[third]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:3] and out.stop_reason == third and out.finish_reason == "stop"
+    assert_no_leaks(llm.engine)
+
+
+def test_min_tokens_masks_stop_tokens_and_max_tokens_limits():
+    llm = make_llm()
+    free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 5
+    first = free.token_ids[0]
+    stopped = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == [first]
+    held = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, min_tokens=2,
+                                                 stop_token_ids=[first]), use_tqdm=False)[0].outputs[0]
+    assert held.token_ids[0] != first and len(held.token_ids) >= 2
+
+
+def test_eos_stops_unless_ignored():
+    model, tok = get_model("tiny-llama")
+    llm = make_llm()
+    free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    llm.engine.eos_token_ids = [free.token_ids[1]]  # pretend the second token is EOS
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:2] and out.finish_reason == "stop" and out.stop_reason is None
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids
+
+
+def test_logprobs_are_log_softmax_of_the_step():
+    model, tok = get_model("tiny-llama")
+    out = make_llm().generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 3 and all(len(d) == 4 for d in out.logprobs)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = model(ids).logits[0, -1].float().log_softmax(-1)
+    first = out.token_ids[0]
+    assert math.isclose(out.logprobs[0][first], float(expected[first]), abs_tol=1e-5)
+    assert max(out.logprobs[0], key=out.logprobs[0].get) == first
+    assert math.isclose(out.cumulative_logprob, sum(d[t] for d, t in zip(out.logprobs, out.token_ids)),
+                        abs_tol=1e-6)
+
+
+def test_best_of_returns_the_most_likely_samples():
+    out = make_llm().generate([PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6,
+                                                       ignore_eos=True, seed=3), use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
