@@ -51,7 +51,8 @@ class BlockManager:
     # ---- admission ---------------------------------------------------------------------------
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether the waiting sequences of a request can get blocks for all their tokens."""
-        needed = sum(self.blocks_for(len(seq)) for seq in group.get_seqs(SequenceStatus.WAITING))
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        needed = sum(self.blocks_for(len(seq)) for seq in seqs) - sum(self._sibling_shares(seqs).values())
         if needed > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.get_num_free_blocks() - needed >= self.watermark_blocks:
@@ -59,16 +60,49 @@ class BlockManager:
         return AllocStatus.LATER
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Block tables for the waiting sequences, reusing cached prefix blocks when enabled."""
-        for seq in group.get_seqs(SequenceStatus.WAITING):
+        """Block tables for the waiting sequences, reusing cached prefix blocks when enabled.
+
+        Sequences of one request that start with the same full blocks (the beams or samples of a
+        preempted request being recomputed) share those blocks: the first computes them, the others
+        wait for it through `prefix_owners` instead of recomputing them.
+        """
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        shares = self._sibling_shares(seqs)
+        owner_of: Dict[bytes, Tuple[int, Sequence]] = {}
+        for seq in seqs:
             if seq.seq_id in self.block_tables:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
             table = self._reuse_cached_prefix(seq)
             seq.num_computed_tokens = len(table) * self.block_size
             self._num_registered[seq.seq_id] = len(table)
+            seq.prefix_owners = []
+            hashes = seq.block_hashes
+            for i in range(len(table), shares.get(seq.seq_id, 0)):
+                block, owner = owner_of[hashes[i]]
+                self.device.incr(block)
+                table.append(block)
+                seq.prefix_owners.append((owner, (i + 1) * self.block_size))
             while len(table) < self.blocks_for(len(seq)):
                 table.append(self.device.allocate())
             self.block_tables[seq.seq_id] = table
+            for i in range(min(len(hashes), (len(seq) - 1) // self.block_size)):
+                owner_of.setdefault(hashes[i], (table[i], seq))
+
+    def _sibling_shares(self, seqs: List[Sequence]) -> Dict[int, int]:
+        """seq_id -> leading full blocks identical to blocks of an earlier sequence in `seqs`."""
+        shares: Dict[int, int] = {}
+        if len(seqs) < 2:
+            return shares
+        seen = set()
+        for seq in seqs:
+            hashes = self._block_hashes(seq, (len(seq) - 1) // self.block_size)
+            count = 0
+            while count < len(hashes) and hashes[count] in seen:
+                count += 1
+            if count:
+                shares[seq.seq_id] = count
+            seen.update(hashes)
+        return shares
 
     def _reuse_cached_prefix(self, seq: Sequence) -> List[int]:
         if self.prefix_cache is None:

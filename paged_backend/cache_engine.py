@@ -26,8 +26,9 @@ class KVGeometry:
         return block_size * self.bytes_per_token(dtype)
 
     def shard(self, world_size: int) -> "KVGeometry":
-        """The geometry of one tensor-parallel rank (its own KV heads)."""
-        return KVGeometry(self.num_layers, self.num_kv_heads // world_size, self.head_size)
+        """The geometry of one tensor-parallel rank (its own KV heads; one replicated head when there are
+        fewer KV heads than ranks)."""
+        return KVGeometry(self.num_layers, max(1, self.num_kv_heads // world_size), self.head_size)
 
 
 def kv_geometry(config) -> KVGeometry:

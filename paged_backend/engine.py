@@ -49,8 +49,13 @@ class LLMEngine:
                  dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
                  trust_remote_code: bool = False, **engine_options) -> None:
         self.config = EngineConfig.from_kwargs(**engine_options)
-        self.model, self.tokenizer = self._load(model, tokenizer, dtype, device, trust_remote_code)
-        self.device = next(self.model.parameters()).device
+        tensor_parallel = self.config.parallel.tensor_parallel_size > 1
+        # Under tensor parallelism a named model is loaded on the CPU and only rank 0's shard moves to the device.
+        self._model_name = None if isinstance(model, torch.nn.Module) else str(model)
+        self._trust_remote_code = trust_remote_code
+        self.model, self.tokenizer = self._load(model, tokenizer, dtype, "cpu" if tensor_parallel else device,
+                                                trust_remote_code)
+        self.device = torch.device(device) if tensor_parallel else next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0] \
@@ -90,7 +95,12 @@ class LLMEngine:
         if tp > 1:
             from .distributed import TensorParallelRunner
 
-            return TensorParallelRunner(self.model, self.geometry, self.kv_size, self.config, self.dtype)
+            runner = TensorParallelRunner(self.model, self.geometry, self.kv_size, self.config, self.dtype,
+                                          device=self.device, model_name=self._model_name,
+                                          trust_remote_code=self._trust_remote_code)
+            if self._model_name is not None:
+                self.model = runner.model  # rank 0's shard: the full model is not kept
+            return runner
         cache = CacheEngine(self.geometry, self.config.cache.block_size, self.kv_size.num_blocks,
                             self.kv_size.num_swap_blocks, self.dtype, self.device)
         return ModelRunner(self.model, cache)

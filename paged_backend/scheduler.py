@@ -188,12 +188,18 @@ class Scheduler:
             back.append(group)
         return back
 
+    @staticmethod
+    def _to_compute(group: SequenceGroup) -> List[Sequence]:
+        """Running sequences with tokens left to compute (a beam that already has its logits waits
+        for its siblings)."""
+        return [s for s in group.get_seqs(SequenceStatus.RUNNING) if s.num_uncomputed_tokens > 0]
+
     def _schedule_tokens(self, groups: List[SequenceGroup], out: SchedulerOutput, budget: _Budget) -> None:
         """Decode tokens first (one per sequence), then prefill chunks, within the token budget."""
-        decoding = [g for g in groups if all(not s.is_prefill for s in g.get_seqs(SequenceStatus.RUNNING))]
+        decoding = [g for g in groups if all(not s.is_prefill for s in self._to_compute(g))]
         prefilling = [g for g in groups if g not in decoding]
         for group in decoding:
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            seqs = self._to_compute(group)
             if len(seqs) > budget.tokens:
                 break
             for seq in seqs:
@@ -203,11 +209,19 @@ class Scheduler:
             self._schedule_chunks(group, out, budget)
 
     def _schedule_chunks(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        planned: Dict[int, int] = {}  # seq_id -> computed tokens once this step has run
+        for seq in self._to_compute(group):
+            if seq.prefix_owners and seq.num_computed_tokens < seq.prefix_owners[-1][1]:
+                # Blocks shared with a sibling: its rows of this step write them before any attention
+                # reads them, so this sequence may start right after them, once they are covered.
+                if any(planned.get(o.seq_id, o.num_computed_tokens) < end for o, end in seq.prefix_owners):
+                    continue
+                seq.num_computed_tokens = seq.prefix_owners[-1][1]
             chunk = min(seq.num_uncomputed_tokens, budget.tokens)
             if chunk <= 0:
                 return
             out.scheduled.append(ScheduledSeq(group, seq, chunk))
+            planned[seq.seq_id] = seq.num_computed_tokens + chunk
             budget.tokens -= chunk
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:

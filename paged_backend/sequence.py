@@ -50,6 +50,9 @@ class Sequence:
         self.detok_started = False
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []
+        # (sibling, tokens) pairs: leading blocks this sequence shares with siblings that compute them,
+        # set when a preempted multi-sequence request is recomputed.
+        self.prefix_owners: List[tuple] = []
 
     @property
     def output_token_ids(self) -> List[int]:

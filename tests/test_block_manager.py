@@ -264,6 +264,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
+    def recompute(self, data):
+        """Preempt by recomputation: free everything, then re-admit all sequences at once; siblings
+        with a common prefix share its blocks and wait for the sibling that computes them."""
+        group = data.draw(st.sampled_from(self.running))
+        self.running.remove(group)
+        for seq in group.seqs:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+        group.set_status(SequenceStatus.WAITING)
+        if self.bm.can_allocate(group) != AllocStatus.OK:
+            return
+        admit(self.bm, group)
+        for seq in group.seqs:
+            for owner, end in seq.prefix_owners:
+                assert owner.num_computed_tokens >= end
+                assert owner.token_ids[:end] == seq.token_ids[:end]
+            if seq.prefix_owners:
+                seq.num_computed_tokens = max(seq.num_computed_tokens, seq.prefix_owners[-1][1])
+            self._write(seq)
+        self.running.append(group)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
     def swap_out(self, data):
         group = data.draw(st.sampled_from(self.running))
         if not self.bm.can_swap_out(group):
