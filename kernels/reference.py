@@ -38,29 +38,31 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
 
 @dataclass
 class AttentionPlan:
-    """Gather indices and masks for one step, shared by all layers.
+    """Which cache blocks to gather and which keys each query sees, shared by all layers of a step.
 
-    Single-token queries (decode) run as one batch; multi-token queries (prefill chunks) as
-    another, each padded to its longest member.
+    Single-token queries (decode) run as one batch; multi-token queries (prefill chunks) as another,
+    each padded to its longest member. K/V are gathered a whole block at a time (block-table rows),
+    which moves far fewer index entries than gathering slot by slot.
     """
 
     decode_rows: torch.Tensor      # [Sd] query rows
-    decode_slots: torch.Tensor     # [Sd, Ld] cache slots of their context (0 where masked)
-    decode_mask: torch.Tensor      # [Sd, 1, 1, Ld] True where attended
+    decode_blocks: torch.Tensor    # [Sd, Bd] blocks holding their context (block 0 where padded)
+    decode_mask: torch.Tensor      # [Sd, 1, 1, Bd * block_size] True where attended
     prefill_rows: torch.Tensor     # [Sp, Qp] query rows (0 where padded)
     prefill_valid: torch.Tensor    # [Sp, Qp]
-    prefill_slots: torch.Tensor    # [Sp, Lp]
-    prefill_mask: torch.Tensor     # [Sp, 1, Qp, Lp]
+    prefill_blocks: torch.Tensor   # [Sp, Bp]
+    prefill_mask: torch.Tensor     # [Sp, 1, Qp, Bp * block_size]
 
 
-def _context_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
+def _context_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
+    """The block-table columns covering the longest context, and which key positions are real."""
     length = int(context_lens.max()) if context_lens.numel() else 0
-    pos = torch.arange(length, device=block_tables.device)
+    num_blocks = -(-length // block_size)
+    blocks = block_tables[:, :num_blocks].to(torch.long)
+    pos = torch.arange(num_blocks * block_size, device=block_tables.device)
     valid = pos[None, :] < context_lens[:, None]
-    blocks = block_tables.to(torch.long).gather(1, (pos // block_size).clamp(max=block_tables.shape[1] - 1)
-                                                .expand(len(block_tables), -1))
-    slots = torch.where(valid, blocks * block_size + pos % block_size, torch.zeros_like(blocks))
-    return slots, valid
+    used = torch.arange(num_blocks, device=block_tables.device)[None, :] * block_size < context_lens[:, None]
+    return torch.where(used, blocks, torch.zeros_like(blocks)), valid
 
 
 def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -70,7 +72,7 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
     starts = query_start_loc.to(torch.long)
     q_lens = starts[1:] - starts[:-1]
     is_decode = q_lens == 1
-    d_slots, d_valid = _context_slots(block_tables[is_decode], context_lens[is_decode], block_size)
+    d_blocks, d_valid = _context_blocks(block_tables[is_decode], context_lens[is_decode], block_size)
     p_idx = (~is_decode).nonzero().flatten()
     p_q = q_lens[p_idx]
     p_ctx = context_lens[p_idx]
@@ -78,40 +80,45 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
     qi = torch.arange(q_pad, device=starts.device)
     p_valid = qi[None, :] < p_q[:, None]
     p_rows = torch.where(p_valid, starts[p_idx][:, None] + qi[None, :], torch.zeros_like(qi)[None, :])
-    p_slots, p_kvalid = _context_slots(block_tables[p_idx], p_ctx, block_size)
-    kj = torch.arange(p_slots.shape[1], device=starts.device)
+    p_blocks, p_kvalid = _context_blocks(block_tables[p_idx], p_ctx, block_size)
+    kj = torch.arange(p_kvalid.shape[1], device=starts.device)
     last_visible = (p_ctx - p_q)[:, None] + qi[None, :]                       # [Sp, Qp]
     p_mask = p_kvalid[:, None, :] & (kj[None, None, :] <= last_visible[:, :, None])
     if p_mask.numel():
         p_mask[:, :, 0] |= ~p_valid  # padded query rows see one key so softmax stays finite
     return AttentionPlan(
-        decode_rows=starts[:-1][is_decode], decode_slots=d_slots, decode_mask=d_valid[:, None, None, :],
-        prefill_rows=p_rows, prefill_valid=p_valid, prefill_slots=p_slots, prefill_mask=p_mask[:, None])
+        decode_rows=starts[:-1][is_decode], decode_blocks=d_blocks, decode_mask=d_valid[:, None, None, :],
+        prefill_rows=p_rows, prefill_valid=p_valid, prefill_blocks=p_blocks, prefill_mask=p_mask[:, None])
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """`[S, num_kv_heads, B * block_size, head_size]` keys or values of the given blocks."""
+    _, block_size, num_kv_heads, head_size = cache.shape
+    return cache[blocks].view(blocks.shape[0], -1, num_kv_heads, head_size).transpose(1, 2)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, out: Optional[torch.Tensor] = None,
                     plan: Optional[AttentionPlan] = None) -> torch.Tensor:
-    """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context."""
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context.
+
+    Cache slots of a gathered block that hold no token of the sequence are masked out, but they are
+    still multiplied by zero weights, so they must hold finite numbers (the engine zero-fills the cache).
+    """
     if plan is None:
-        plan = plan_paged_attention(block_tables, context_lens, query_start_loc, block_size)
+        plan = plan_paged_attention(block_tables, context_lens, query_start_loc, key_cache.shape[1])
     if out is None:
         out = torch.empty_like(query)
-    keys = key_cache.view(num_blocks * block_size, num_kv_heads, head_size)
-    values = value_cache.view(num_blocks * block_size, num_kv_heads, head_size)
-    gqa = query.shape[1] != num_kv_heads
+    gqa = query.shape[1] != key_cache.shape[2]
     if plan.decode_rows.numel():
         q = query[plan.decode_rows].unsqueeze(2)                                # [Sd, H, 1, D]
-        k = keys[plan.decode_slots].transpose(1, 2)                             # [Sd, KVH, Ld, D]
-        v = values[plan.decode_slots].transpose(1, 2)
+        k, v = _gather(key_cache, plan.decode_blocks), _gather(value_cache, plan.decode_blocks)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
         out[plan.decode_rows] = o.squeeze(2).to(out.dtype)
     if plan.prefill_rows.numel():
         q = query[plan.prefill_rows].transpose(1, 2)                            # [Sp, H, Qp, D]
-        k = keys[plan.prefill_slots].transpose(1, 2)                            # [Sp, KVH, Lp, D]
-        v = values[plan.prefill_slots].transpose(1, 2)
+        k, v = _gather(key_cache, plan.prefill_blocks), _gather(value_cache, plan.prefill_blocks)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=gqa)
         o = o.transpose(1, 2)                                                   # [Sp, Qp, H, D]
         out[plan.prefill_rows[plan.prefill_valid]] = o[plan.prefill_valid].to(out.dtype)
