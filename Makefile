@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 
-.PHONY: run test bench install clean
+.PHONY: run test bench triton install clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/paged-backend bench all
+
+# NVIDIA Triton Inference Server (from the nvidia-pytriton wheel) on a generated repository for the default model.
+triton: $(STAMP)
+	$(VENV)/bin/paged-backend triton-serve --model smollm2 --name paged_llm $(TRITON_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info results

@@ -1,0 +1,115 @@
+"""`paged-backend triton-repo` (write a model repository) and `paged-backend triton-serve` (run Triton on one)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from paged_backend.cli import add_engine_args
+
+
+def add_parser(subparsers, name: str) -> None:
+    """Register `triton-repo` or `triton-serve` (the name says which)."""
+    if name == "triton-repo":
+        p = subparsers.add_parser(name, help="write a Triton model repository serving a model with paged-backend")
+        p.add_argument("out_dir", help="model repository folder (created if missing)")
+        _add_model_args(p)
+        p.set_defaults(func=run_repo)
+    elif name == "triton-serve":
+        p = subparsers.add_parser(name, help="run NVIDIA Triton Inference Server (from nvidia-pytriton) on a "
+                                             "model repository, by default one generated for --model")
+        p.add_argument("--model-repository", default=None,
+                       help="existing repository to serve (default: write one for --model into a temporary folder)")
+        _add_model_args(p)
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+        p.add_argument("--http-port", type=int, default=8000)
+        p.add_argument("--grpc-port", type=int, default=8001)
+        p.add_argument("--metrics-port", type=int, default=8002)
+        p.add_argument("--no-metrics", action="store_true", help="run without the /metrics endpoint")
+        p.add_argument("--log-verbose", type=int, default=0)
+        p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
+        p.set_defaults(func=run_serve)
+    else:
+        raise ValueError(f"unknown Triton subcommand {name!r}")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="preset name or local Hugging Face model directory")
+    p.add_argument("--name", default="paged_llm", help="model name in the repository (the URL's NAME)")
+    p.add_argument("--no-custom-metrics", action="store_true", help="do not report the engine's metrics")
+    add_engine_args(p)
+
+
+def model_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The model.json content for parsed command-line options."""
+    options: Dict[str, Any] = {
+        "model": args.model, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+        "num_blocks": args.num_blocks, "kv_cache_memory": args.kv_cache_memory, "swap_space": args.swap_space,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "preemption_mode": args.preemption_mode,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed,
+    }
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def _write(args: argparse.Namespace, out_dir: Path) -> Path:
+    from .repo import write_model_repository
+
+    return write_model_repository(out_dir, args.name, model_options(args),
+                                  report_metrics=not args.no_custom_metrics)
+
+
+def run_repo(args: argparse.Namespace) -> int:
+    model_dir = _write(args, Path(args.out_dir))
+    print(f"wrote {model_dir}/config.pbtxt, {model_dir}/1/model.py, {model_dir}/1/model.json")
+    print(f"serve it with: paged-backend triton-serve --model-repository {Path(args.out_dir)}")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .server import ServerConfig, TritonServer
+
+    repo_dir: Optional[tempfile.TemporaryDirectory] = None
+    if args.model_repository is None:
+        repo_dir = tempfile.TemporaryDirectory(prefix="paged-triton-repo-")
+        _write(args, Path(repo_dir.name))
+        repository = Path(repo_dir.name)
+    else:
+        repository = Path(args.model_repository)
+        if not repository.is_dir():
+            raise ValueError(f"model repository {repository} is not a folder")
+    config = ServerConfig(model_repository=repository, host=args.host, http_port=args.http_port,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          allow_metrics=not args.no_metrics, log_verbose=args.log_verbose)
+    server = TritonServer(config)
+    stop = {"requested": False}
+    previous: Dict[int, Any] = {}
+    try:
+        server.start()
+        print(f"tritonserver starting on {repository} (log: {server.log_path})", flush=True)
+        server.wait_ready(args.ready_timeout)
+        previous = {sig: signal.signal(sig, lambda *_: stop.update(requested=True))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        print(f"ready: HTTP http://{server.http_url}  gRPC {server.grpc_url}"
+              + ("" if args.no_metrics else f"  metrics {server.metrics_url}"), flush=True)
+        print(f"try: curl -s -X POST http://{server.http_url}/v2/models/{args.name}/generate "
+              f"-d '{{\"text_input\": \"The capital of France is\", \"parameters\": {{\"max_tokens\": 16, "
+              f"\"temperature\": 0}}}}'", flush=True)
+        while not stop["requested"] and server.is_running():
+            time.sleep(0.5)
+        code = 0 if stop["requested"] else 1
+        if not stop["requested"]:
+            print(f"tritonserver exited unexpectedly:\n{server.log_tail()}", flush=True)
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.cleanup()
+        if repo_dir is not None:
+            repo_dir.cleanup()
+    return code
