@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, Dict, List, Optional
 
@@ -133,7 +134,16 @@ def build_parser(argv: List[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _join_torchrun_workers() -> None:
+    """Under a multi-rank torchrun launch, ranks other than 0 serve as tensor-parallel workers and exit there."""
+    if os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        from .distributed import maybe_run_worker_loop
+
+        maybe_run_worker_loop()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    _join_torchrun_workers()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)

@@ -94,18 +94,19 @@ class _Workers:
         self._thread = threading.Thread(target=self._watch, daemon=True, name="tp-worker-monitor")
         self._thread.start()
 
-    def dead(self) -> Optional[str]:
+    def dead(self) -> Optional[Tuple[str, int]]:
+        """(description, rank) of the first worker that has exited, if any."""
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}"
+                return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}", rank
         return None
 
     def _watch(self) -> None:
         while not self.closing and self.failure is None:
             found = self.dead()
             if found is not None and not self.closing:
-                self.failure = found
+                self.failure = found[0]
                 if dist.is_initialized() and dist.get_backend() == "nccl":
                     try:  # unblock rank 0 if it waits in an NCCL collective for the dead rank
                         dist.distributed_c10d._abort_process_group()
@@ -169,6 +170,8 @@ class TensorParallelRunner:
                  trust_remote_code: bool = False) -> None:
         self.world_size = config.parallel.tensor_parallel_size
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.plan = build_plan(model, self.world_size)  # refuse unsplittable models before starting anything
         self.torchrun = torchrun_env()
         self._check_launch(model_name)
@@ -250,18 +253,19 @@ class TensorParallelRunner:
                 time.sleep(0.05)
 
     # ---- failures -----------------------------------------------------------------------------------
-    def _worker_errors(self) -> List[str]:
-        errors = []
+    def _worker_errors(self) -> Dict[int, str]:
+        """rank -> the error a failing worker wrote to the store before exiting."""
+        errors = {}
         for rank in range(1, self.world_size):
             try:
                 if self.store.check([f"error/{rank}"]):
-                    errors.append(self.store.get(f"error/{rank}").decode(errors="replace"))
+                    errors[rank] = self.store.get(f"error/{rank}").decode(errors="replace")
             except Exception:  # noqa: BLE001 - the store itself may be unreachable
                 break
         return errors
 
     def _diagnosis(self, wait_s: float = 0.0) -> Optional[str]:
-        """What went wrong with the workers: a dead process and/or an error a worker reported."""
+        """What went wrong with the workers: a dead process and/or the error a worker reported."""
         deadline = time.monotonic() + wait_s
         workers = self._session.workers
         while True:
@@ -270,8 +274,10 @@ class TensorParallelRunner:
             if dead or errors or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        parts = ([dead] if dead else []) + [f"its error: {e}" if dead else e for e in errors]
-        return "; ".join(parts) or None
+        if dead is not None:
+            rank = dead[1]
+            return f"{dead[0]}: {errors[rank]}" if rank in errors else dead[0]
+        return "; ".join(f"tensor-parallel worker rank {r} failed: {e}" for r, e in errors.items()) or None
 
     def _error(self) -> WorkerFailedError:
         self._session.failed = True
@@ -281,9 +287,9 @@ class TensorParallelRunner:
     def _raise_if_failed(self, when: str = "", poll_store: bool = False) -> None:
         if self._failure is None:
             workers = self._session.workers
-            found = workers.failure if workers is not None else None
-            if found is None and poll_store:
-                found = self._diagnosis()
+            if not poll_store and (workers is None or workers.failure is None):
+                return
+            found = self._diagnosis()
             if found is None:
                 return
             self._failure = f"{found} {when}".strip()
@@ -291,7 +297,9 @@ class TensorParallelRunner:
 
     def _fail(self, exc: BaseException) -> WorkerFailedError:
         found = self._diagnosis(wait_s=3.0)
-        self._failure = f"{found or f'a tensor-parallel collective failed ({exc})'} during step {self._step}"
+        seen = f"rank 0 saw {type(exc).__name__}: {str(exc).strip()[:300]}"
+        self._failure = f"{found} during step {self._step} ({seen})" if found else \
+            f"tensor-parallel step {self._step} failed: {seen}"
         return self._error()
 
     # ---- steps --------------------------------------------------------------------------------------
@@ -338,3 +346,6 @@ class TensorParallelRunner:
     def shutdown(self) -> None:
         """Stop every worker (a shutdown message, then a kill after a grace period); leave the process groups."""
         self._finalizer()
+        release = getattr(getattr(getattr(self, "state", None), "cache", None), "release", None)
+        if release is not None:  # rank 0's own KV cache goes too
+            release()

@@ -173,7 +173,7 @@ def init_groups(store, rank: int, setup: WorkerSetup, device: torch.device):
     Returns (control group, whether this call created the default group)."""
     created = False
     if not dist.is_initialized():
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs = {"device_id": device} if setup.backend == "nccl" else {}
         dist.init_process_group(setup.backend, store=dist.PrefixStore("pg/", store), rank=rank,
                                 world_size=setup.world_size, timeout=timedelta(seconds=setup.timeout_s), **kwargs)
         created = True
@@ -221,7 +221,6 @@ def _watch_parent(parent_pid: int) -> None:
 
 def run_worker(store, rank: int, world_size: int, local_rank: Optional[int] = None) -> int:
     """The whole life of a non-zero rank; returns its exit code. Failures are written to the store for rank 0."""
-    store.set(f"hello/{rank}", str(os.getpid()))
     control, created = None, False
     try:
         setup: WorkerSetup = pickle.loads(store.get("setup"))
@@ -230,13 +229,14 @@ def run_worker(store, rank: int, world_size: int, local_rank: Optional[int] = No
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store.set(f"hello/{rank}", str(os.getpid()))  # rank 0 joins the process group only after every hello
         control, created = init_groups(store, rank, setup, device)
         state = RankState(load_shard(setup, rank, device), setup, rank, device)
         store.set(f"ready/{rank}", "1")
         _serve_steps(state, control, ProcessGroupComm(None))
         return 0
     except BaseException as exc:  # noqa: BLE001 - report any failure to rank 0, then exit non-zero
-        text = f"rank {rank}: {type(exc).__name__}: {exc}"
+        text = f"{type(exc).__name__}: {str(exc).strip()[:2000]}"
         traceback.print_exc()
         try:
             store.set(f"error/{rank}", text)
