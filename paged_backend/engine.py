@@ -13,7 +13,7 @@ from .cache_engine import CacheEngine, KVGeometry, kv_geometry
 from .config import EngineConfig
 from .detokenizer import decode_new_text, find_stop_string
 from .metrics import Counters, EngineStats
-from .model_runner import ModelRunner, StepInputs, prepare_inputs
+from .model_runner import ModelRunner, check_model_supported, prepare_inputs
 from .outputs import CompletionOutput, RequestOutput
 from .sampler import SampleRequest, Sampler
 from .sampling_params import SamplingParams
@@ -56,6 +56,7 @@ class LLMEngine:
         self.model, self.tokenizer = self._load(model, tokenizer, dtype, "cpu" if tensor_parallel else device,
                                                 trust_remote_code)
         self.device = torch.device(device) if tensor_parallel else next(self.model.parameters()).device
+        check_model_supported(self.model)
         self.dtype = next(self.model.parameters()).dtype
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0] \

@@ -127,20 +127,30 @@ class Sampler:
         return top
 
     def _draw(self, scores: torch.Tensor, requests: List[SampleRequest]) -> Dict[int, List[int]]:
-        """Multinomial draws for sampled rows: seeded rows from their own generator."""
+        """Random draws for sampled rows, seeded rows from their own generator.
+
+        Uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
+        p_i, and is much cheaper than torch.multinomial over a large vocabulary.
+        """
         drawn: Dict[int, List[int]] = {}
-        shared = [i for i, r in enumerate(requests) if not r.params.is_greedy and r.generator is None]
+        sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        if not sampled:
+            return drawn
+        probs = scores[sampled].softmax(-1).cpu()
+        shared = [row for row, i in enumerate(sampled) if requests[i].generator is None
+                  and requests[i].num_samples == 1]
         if shared:
-            probs = scores[shared].softmax(-1).cpu()
-            most = max(requests[i].num_samples for i in shared)
-            picks = torch.multinomial(probs, most, replacement=True, generator=self.generator)
-            for row, i in enumerate(shared):
-                drawn[i] = picks[row, : requests[i].num_samples].tolist()
-        for i, req in enumerate(requests):
-            if not req.params.is_greedy and req.generator is not None:
-                probs = scores[i].softmax(-1).cpu()
-                drawn[i] = torch.multinomial(probs, req.num_samples, replacement=True,
-                                             generator=req.generator).tolist()
+            rows = probs[shared]
+            noise = torch.empty_like(rows).exponential_(generator=self.generator)
+            for row, token in zip(shared, (rows / noise).argmax(-1).tolist()):
+                drawn[sampled[row]] = [token]
+        for row, i in enumerate(sampled):
+            if i in drawn:
+                continue
+            req = requests[i]
+            row_probs = probs[row].expand(req.num_samples, -1)
+            noise = torch.empty_like(row_probs).exponential_(generator=req.generator or self.generator)
+            drawn[i] = (row_probs / noise).argmax(-1).tolist()
         return drawn
 
     @staticmethod

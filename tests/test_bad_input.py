@@ -99,3 +99,16 @@ def test_llm_generate_validates_prompt_and_param_lists():
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate(["Hi", ""], SamplingParams(max_tokens=2), use_tqdm=False)
     assert_no_leaks(llm.engine)
+
+
+def test_models_without_the_attention_interface_are_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100))
+    model._supports_attention_backend = False
+    with pytest.raises(ValueError, match="GPT2LMHeadModel does not support transformers' attention backend"):
+        LLMEngine(model, num_blocks=4)
+    import torch
+
+    with pytest.raises(ValueError, match="Linear is not a Hugging Face causal language model"):
+        LLMEngine(torch.nn.Linear(2, 2), num_blocks=4)
