@@ -190,6 +190,7 @@ CONFIGS = {
 BLOCK, NUM_BLOCKS = 4, 22
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_two_ranks_match_single_process(config):
     name, kv_heads_per_rank, options = CONFIGS[config]
@@ -230,6 +231,7 @@ def test_two_ranks_match_single_process(config):
         shut_down(llm)
 
 
+@pytest.mark.slow
 def test_killed_worker_fails_the_engine_within_seconds():
     model, tok = get_model("tiny-gpt-neox", F64)
     options = dict(block_size=8, num_blocks=64)
@@ -264,6 +266,7 @@ def test_killed_worker_fails_the_engine_within_seconds():
         shut_down(llm)
 
 
+@pytest.mark.slow
 def test_caller_module_is_shipped_to_workers_and_left_intact():
     model, tok = get_model("tiny-gpt2", F64)
     before = weights_fingerprint(model)
@@ -280,6 +283,7 @@ def test_caller_module_is_shipped_to_workers_and_left_intact():
     assert model.transformer.h[0].attn.c_attn.weight.shape == (64, 192)
 
 
+@pytest.mark.slow
 def test_worker_failing_at_start_up_fails_the_constructor():
     """A worker that cannot even read its setup (here: the model class is not importable there) is reported."""
     from transformers import GPT2LMHeadModel
@@ -298,6 +302,7 @@ def test_worker_failing_at_start_up_fails_the_constructor():
     assert not worker_children()
 
 
+@pytest.mark.slow
 def test_torchrun_launch_of_the_cli_matches_single_process():
     """`torchrun --nproc-per-node 2 paged-backend generate --tensor-parallel-size 2`: rank 1 becomes a worker."""
     bindir = os.path.dirname(sys.executable)
