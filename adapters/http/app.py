@@ -1,0 +1,65 @@
+"""The FastAPI app: TGI and OpenAI routes over one `AsyncLLMEngine`, /metrics, auth, error shapes.
+
+`create_app(engine, ...)` builds the app; uvicorn (see `cli.py`) serves it. On shutdown the
+lifespan hook aborts whatever is still in flight and frees its KV blocks (`AsyncLLMEngine.shutdown`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from paged_backend import AsyncLLMEngine
+
+from . import openai_api, tgi
+from .auth import APIKeyMiddleware
+from .errors import install_error_handlers
+from .generation import ServerContext
+from .metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("paged_backend.http")
+
+
+def _special_ids(tokenizer) -> frozenset:
+    return frozenset(getattr(tokenizer, "all_special_ids", []) or [])
+
+
+def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optional[str] = None,
+               max_concurrent_requests: int = 512,
+               on_shutdown: Optional[Callable[[AsyncLLMEngine], None]] = None) -> FastAPI:
+    """A TGI- and OpenAI-compatible app serving `engine` under the name `model_name`."""
+    if engine.tokenizer is None:
+        raise ValueError("the HTTP server needs an engine with a tokenizer")
+    if max_concurrent_requests < 1:
+        raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
+    ctx = ServerContext(engine, model_name, ServerMetrics(engine), max_concurrent_requests,
+                        special_ids=_special_ids(engine.tokenizer))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        logger.info("shutting down: aborting %d request(s) still in flight", ctx.in_flight)
+        await engine.shutdown()
+        if on_shutdown is not None:
+            on_shutdown(engine)
+
+    app = FastAPI(title="paged-backend", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.ctx = ctx
+    app.state.started_at = time.time()
+    install_error_handlers(app)
+    app.include_router(tgi.router)
+    app.include_router(openai_api.router)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,38 @@
+"""The shared HTTP server and reference LLM for the HTTP test modules (each wraps them in fixtures).
+
+Not a conftest.py: a second `conftest` module would shadow tests/conftest.py, which unit tests import
+as `conftest`. One server serves the whole session: the first module to ask starts it, the session's
+end stops it (also when a test fails).
+"""
+
+from __future__ import annotations
+
+import os
+
+from http_server_process import HTTP_API_KEY, HTTP_MODEL, HTTP_NUM_BLOCKS, ServerProcess
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_shared = {}
+
+
+def shared_server(config) -> ServerProcess:
+    """`paged-backend serve tiny-llama` with an API key, ready; stopped when the pytest session ends."""
+    server = _shared.get("server")
+    if server is None:
+        server = ServerProcess([HTTP_MODEL, "--dtype", "float32", "--num-blocks", str(HTTP_NUM_BLOCKS),
+                                "--api-key", HTTP_API_KEY, "--log-level", "warning"])
+        _shared["server"] = server
+        config.add_cleanup(server.stop)
+    server.wait_ready()
+    return server
+
+
+def shared_reference():
+    """The offline `LLM` the server's greedy results must equal (same model, same dtype)."""
+    if "llm" not in _shared:
+        import torch
+
+        from paged_backend import LLM
+
+        _shared["llm"] = LLM(HTTP_MODEL, dtype=torch.float32, num_blocks=512)
+    return _shared["llm"]

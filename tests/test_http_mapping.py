@@ -1,0 +1,128 @@
+"""The HTTP adapter's mappings without a server process: finish reasons, TGI/OpenAI parameters to
+SamplingParams, streamed text pieces around stop strings, the concurrency cap, the ready banner."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from conftest import get_model
+from paged_backend import AsyncLLMEngine, CompletionOutput, RequestOutput
+from paged_backend.adapters.http.app import create_app
+from paged_backend.adapters.http.cli import ready_message
+from paged_backend.adapters.http.errors import ValidationFailed
+from paged_backend.adapters.http.generation import OutputTracker, kv_token_limit
+from paged_backend.adapters.http.openai_params import ChatRequest, CompletionRequest, plan_chat, plan_completion
+from paged_backend.adapters.http.tgi import tgi_finish_reason
+from paged_backend.adapters.http.tgi_params import TGIRequest, plan_tgi
+
+
+@pytest.fixture(scope="module")
+def app():
+    model, tokenizer = get_model("tiny-llama", torch.float32)
+    engine = AsyncLLMEngine(model, tokenizer=tokenizer, num_blocks=16, num_swap_blocks=0)
+    yield create_app(engine, "tiny", max_concurrent_requests=1)
+    engine.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ctx(app):
+    return app.state.ctx
+
+
+def _comp(text, ids, finish=None, stop=None, index=0):
+    return CompletionOutput(index, text, ids, 0.0, finish_reason=finish, stop_reason=stop)
+
+
+@pytest.mark.parametrize("finish,stop,expected", [
+    ("length", None, "length"), ("stop", None, "eos_token"), ("stop", 7, "eos_token"),
+    ("stop", "END", "stop_sequence")])
+def test_tgi_finish_reasons(finish, stop, expected):
+    assert tgi_finish_reason(_comp("x", [1], finish, stop)) == expected
+
+
+def test_tracker_holds_back_a_possible_stop_string():
+    tracker = OutputTracker(["Hello"])
+    steps = [("ab He", [5, 6], None), ("ab Hel", [5, 6, 7], None), ("ab ", [5, 6, 7, 8], "stop")]
+    pieces = []
+    for text, ids, finish in steps:
+        out = RequestOutput("r", "p", [1], [_comp(text, ids, finish, "Hello" if finish else None)], finish is not None)
+        pieces += [u.text for u in tracker.update(out)]
+    assert pieces == ["ab ", "", ""] and "".join(pieces) == "ab "
+
+
+def test_tracker_gives_each_token_its_text():
+    tracker = OutputTracker()
+    first = tracker.update(RequestOutput("r", "p", [1], [_comp("Hi", [10])], False))
+    second = tracker.update(RequestOutput("r", "p", [1], [_comp("Hi there", [10, 11], "length")], True))
+    assert [(t.id, t.text) for t in first[0].tokens] == [(10, "Hi")]
+    assert [(t.id, t.text) for t in second[0].tokens] == [(11, " there")] and second[0].finish_reason == "length"
+
+
+def test_tgi_greedy_unless_sampling_or_warpers(ctx):
+    greedy = plan_tgi(ctx, TGIRequest(inputs="Hi", parameters={"max_new_tokens": 3}), stream=False)
+    assert greedy.params.temperature == 0.0 and greedy.seed is None and greedy.params.max_tokens == 3
+    # TGI samples when a warper is set even with do_sample=false
+    warped = plan_tgi(ctx, TGIRequest(inputs="Hi", parameters={"temperature": 0.5}), stream=False)
+    assert warped.params.temperature == 0.5 and isinstance(warped.seed, int)
+    stops = plan_tgi(ctx, TGIRequest(inputs="Hi", parameters={"stop": ["x"], "do_sample": True, "top_k": 5,
+                                                                "top_p": 0.9, "seed": 3}), stream=False)
+    p = stops.params
+    assert p.include_stop_str_in_output and p.stop_strings == ["x"] and (p.top_k, p.top_p, p.seed) == (5, 0.9, 3)
+
+
+def test_default_max_new_tokens_fits_the_kv_cache(ctx):
+    plan = plan_tgi(ctx, TGIRequest(inputs="Hi there"), stream=False)
+    assert plan.params.max_tokens == kv_token_limit(ctx, len(plan.prompt_ids), 1) == 16 * 16 - len(plan.prompt_ids)
+    with pytest.raises(ValidationFailed, match="KV cache"):
+        plan_tgi(ctx, TGIRequest(inputs="Hi", parameters={"max_new_tokens": 300}), stream=False)
+
+
+def test_openai_params(ctx):
+    plan = plan_completion(ctx, CompletionRequest(prompt=["a", "b"], n=2, temperature=0.7, top_k=0, min_p=0.1,
+                                                  stop="x", logprobs=3))
+    p = plan.params
+    assert len(plan.prompts) == 2 and p.n == 2 and p.max_tokens == 16 and p.top_k == -1 and p.min_p == 0.1
+    assert p.logprobs == 3 and p.stop_strings == ["x"] and not p.include_stop_str_in_output
+    beam = plan_completion(ctx, CompletionRequest(prompt="a", n=2, use_beam_search=True, best_of=3))
+    assert beam.params.beam_width == 3 and beam.params.temperature == 0.0
+    chat = plan_chat(ctx, ChatRequest(messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=2,
+                                      max_completion_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert chat.params.max_tokens == 5 and chat.logprobs == 2 and chat.include_usage
+    assert ctx.tokenizer.decode(chat.prompts[0]).endswith("<|im_start|>assistant\n")
+
+
+def test_overloaded_requests_get_429(app):
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            slow = c.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 60}})
+            fast = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            return await asyncio.gather(slow, fast)
+
+    slow, fast = asyncio.run(run())
+    assert slow.status_code == 200
+    assert fast.status_code == 429 and fast.json()["error"]["type"] == "rate_limit_exceeded"
+    assert app.state.ctx.in_flight == 0
+
+
+def test_two_apps_have_separate_metrics(app):
+    model, tokenizer = get_model("tiny-llama", torch.float32)
+    other = create_app(AsyncLLMEngine(model, tokenizer=tokenizer, num_blocks=8), "other")
+    assert b"paged_backend:kv_blocks_total 8.0" in other.state.ctx.metrics.render()
+    assert b"paged_backend:kv_blocks_total 16.0" in app.state.ctx.metrics.render()
+
+
+def test_ready_message_has_curl_lines():
+    class Stats:
+        num_blocks, block_size = 10, 16
+
+    text = ready_message("http://127.0.0.1:8000", "smollm2", "sekret", Stats())
+    lines = text.splitlines()
+    assert lines[0].startswith("paged-backend: ready on http://127.0.0.1:8000 serving smollm2")
+    assert any(line.strip().startswith("curl http://127.0.0.1:8000/generate ") for line in lines)
+    assert any(line.strip().startswith("curl http://127.0.0.1:8000/v1/chat/completions ") for line in lines)
+    assert all("Authorization: Bearer sekret" in line for line in lines if "curl" in line)
