@@ -1,0 +1,247 @@
+"""Checks run by tests/test_kernels_triton.py in a subprocess with TRITON_INTERPRET=1 set before Triton
+is imported: the Triton kernels, run on the CPU by Triton's interpreter, equal the PyTorch reference.
+
+Inputs are NaN outside every sequence's context and outputs are NaN-poisoned before each call: a
+kernel that reads an unmasked slot or skips a row fails. Run directly with
+`TRITON_INTERPRET=1 pytest tests/interpreter_kernel_checks.py` to see each case.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernel_inputs import BASE_SEED, case_seed, make_paged_inputs, nan_like
+from paged_backend import LLM, SamplingParams, kernels
+from paged_backend.kernels import reference, triton_kernels
+from paged_backend.kernels.triton_attention import attention_config, auto_num_splits, paged_attention_kernel
+from paged_backend.kernels.triton_launch import is_interpreted
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("run these checks with TRITON_INTERPRET=1 set before Triton is imported "
+                       "(tests/test_kernels_triton.py does)")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) against the float64 result on the same (rounded) inputs; outputs are O(1).
+TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+ATTENTION_CASES = {
+    # name: (num_heads, num_kv_heads, head_size, block_size, context_lens, query_lens)
+    "decode-gqa1-d16-bs8": (4, 4, 16, 8, [1, 8, 17, 24], [1, 1, 1, 1]),
+    "decode-gqa3-d32-bs16": (6, 2, 32, 16, [16, 1, 45, 32], [1, 1, 1, 1]),
+    "decode-gqa4-d64-bs32": (8, 2, 64, 32, [64, 3, 100], [1, 1, 1]),
+    "prefill-gqa3-d32-bs16": (6, 2, 32, 16, [16, 5, 33], [16, 5, 33]),
+    "mixed-gqa4-d64-bs8": (8, 2, 64, 8, [1, 40, 32, 19], [1, 7, 1, 19]),
+    "mixed-gqa1-d80-bs16": (2, 2, 80, 16, [23, 48, 1], [23, 9, 1]),
+    "decode-gqa4-d96-bs128": (4, 1, 96, 128, [130, 1, 128], [1, 1, 1]),
+    "prefill-gqa2-d128-bs64": (4, 2, 128, 64, [70, 2], [70, 2]),
+    "long-prefill-gqa1-d16-bs16": (2, 2, 16, 16, [150, 20], [130, 20]),   # several query tiles
+}
+
+SPLIT_CASES = {
+    # name: (num_heads, num_kv_heads, head_size, block_size, context_lens, query_lens, num_splits)
+    "decode-split4": (8, 2, 64, 16, [1, 200, 64, 513], [1, 1, 1, 1], 4),
+    "mixed-split8": (6, 2, 32, 8, [40, 100, 1], [7, 1, 1], 8),
+    "decode-split16-bs128": (4, 1, 128, 128, [1000], [1], 16),
+}
+
+
+def _check_against_reference(inputs, out, dtype, label):
+    """Triton output vs the reference in the same dtype and vs dense float64 attention."""
+    rtol, atol = TOLERANCE[dtype]
+    message = lambda m: f"{label} (seed {BASE_SEED}): {m}"  # noqa: E731
+    assert not out.isnan().any(), message("NaN in the output (unwritten row or unmasked read)")
+    exact = reference.dense_attention(*[a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+                                        for a in inputs.args()])
+    torch.testing.assert_close(out.double(), exact, rtol=rtol, atol=atol, msg=message)
+    ref = reference.paged_attention(*inputs.args(clean_cache=True))
+    torch.testing.assert_close(out.double(), ref.double(), rtol=2 * rtol, atol=2 * atol, msg=message)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_paged_attention_matches_reference(name, dtype):
+    heads, kv_heads, head_size, block_size, ctx, qlens = ATTENTION_CASES[name]
+    inputs = make_paged_inputs(case_seed(name, dtype), dtype, heads, kv_heads, head_size, block_size, ctx, qlens)
+    out = nan_like(inputs.query)
+    returned = triton_kernels.paged_attention(*inputs.args(), out=out)
+    assert returned is out
+    _check_against_reference(inputs, out, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_kv_matches_reference(name, dtype):
+    heads, kv_heads, head_size, block_size, ctx, qlens, splits = SPLIT_CASES[name]
+    inputs = make_paged_inputs(case_seed(name, dtype), dtype, heads, kv_heads, head_size, block_size, ctx, qlens)
+    out = nan_like(inputs.query)
+    triton_kernels.paged_attention(*inputs.args(), out=out, num_splits=splits)
+    _check_against_reference(inputs, out, dtype, name)
+
+
+def test_paged_attention_allocates_output_and_accepts_int64_metadata():
+    inputs = make_paged_inputs(case_seed("int64"), torch.float32, 6, 2, 32, 16, [20, 1], [3, 1])
+    out = triton_kernels.paged_attention(inputs.query, inputs.key_cache, inputs.value_cache,
+                                         inputs.block_tables.long(), inputs.context_lens.long(),
+                                         inputs.query_start_loc.long(), inputs.scale)
+    _check_against_reference(inputs, out, torch.float32, "int64 metadata")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reshape_and_cache_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(case_seed("reshape", dtype))
+    num_blocks, block_size, kv_heads, head_size = 7, 16, 3, 80
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:11]
+    # The engine hands k/v as transposed views of [1, kv_heads, tokens, head_size].
+    key = torch.randn(kv_heads, 11, head_size, generator=gen).to(dtype).transpose(0, 1)
+    value = torch.randn(kv_heads, 11, head_size, generator=gen).to(dtype).transpose(0, 1)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    triton_kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+def test_reshape_and_cache_casts_and_skips_negative_slots():
+    gen = torch.Generator().manual_seed(case_seed("reshape-cast"))
+    key_cache = torch.zeros(4, 8, 2, 16, dtype=torch.float16)
+    value_cache = torch.zeros(4, 8, 2, 16, dtype=torch.float16)
+    key = torch.randn(5, 2, 16, generator=gen)      # float32 into a float16 cache
+    value = torch.randn(5, 2, 16, generator=gen)
+    slots = torch.tensor([3, -1, 31, 8, -1], dtype=torch.int32)
+    triton_kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    want_k, want_v = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    keep = slots >= 0
+    reference.reshape_and_cache(key[keep], value[keep], want_k, want_v, slots[keep])
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_blocks_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(case_seed("copy", dtype))
+    keys = [torch.randn(9, 8, 2, 32, generator=gen).to(dtype) for _ in range(3)]
+    values = [torch.randn(9, 8, 2, 32, generator=gen).to(dtype) for _ in range(3)]
+    mapping = torch.tensor([[4, 0], [1, 7], [8, 2]])
+    want_k, want_v = [c.clone() for c in keys], [c.clone() for c in values]
+    reference.copy_blocks(want_k, want_v, mapping)
+    triton_kernels.copy_blocks(keys, values, mapping)
+    for got, want in zip(keys + values, want_k + want_v):
+        assert torch.equal(got, want)
+
+
+def test_dispatch_honours_the_environment(monkeypatch):
+    inputs = make_paged_inputs(case_seed("dispatch"), torch.float32, 4, 2, 16, 8, [9, 1], [2, 1])
+    calls = []
+    original = triton_kernels.paged_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "paged_attention", counting)
+    monkeypatch.setenv("PAGED_BACKEND_KERNELS", "triton")
+    assert kernels.kernel_backend(inputs.key_cache) == "triton"
+    out = kernels.paged_attention(*inputs.args(), out=nan_like(inputs.query))
+    assert calls == [1]
+    _check_against_reference(inputs, out, torch.float32, "dispatch")
+    monkeypatch.setenv("PAGED_BACKEND_KERNELS", "auto")
+    assert kernels.kernel_backend(inputs.key_cache) == "torch"   # CPU tensors
+    monkeypatch.setenv("PAGED_BACKEND_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="PAGED_BACKEND_KERNELS"):
+        kernels.kernel_backend(inputs.key_cache)
+
+
+def test_kernels_run_in_the_interpreter():
+    assert is_interpreted(paged_attention_kernel)
+
+
+def test_bad_inputs_raise_value_errors():
+    inputs = make_paged_inputs(case_seed("bad"), torch.float32, 4, 2, 16, 8, [9], [1])
+    q, kc, vc, bt, cl, qsl, scale = inputs.args()
+    with pytest.raises(ValueError, match="head_size"):
+        triton_kernels.paged_attention(q[..., :8].contiguous(), kc, vc, bt, cl, qsl, scale)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        triton_kernels.paged_attention(q[:, :3].contiguous(), kc, vc, bt, cl, qsl, scale)
+    with pytest.raises(ValueError, match="dtype"):
+        triton_kernels.paged_attention(q.half(), kc, vc, bt, cl, qsl, scale)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl[:-1], scale)
+    with pytest.raises(ValueError, match="num_splits"):
+        triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl, scale, num_splits=3)
+    with pytest.raises(ValueError, match="key"):
+        triton_kernels.reshape_and_cache(q, q, kc, vc, torch.zeros(q.shape[0], dtype=torch.long))
+    with pytest.raises(ValueError, match="block_mapping"):
+        triton_kernels.copy_blocks([kc], [vc], torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_split_heuristic_and_tile_config():
+    # Few decode sequences with long contexts on a 132-SM GPU: split; otherwise not.
+    assert auto_num_splits(2, 2, 8, 8192, 132) == 16
+    assert auto_num_splits(1, 1, 8, 8192, 132) == 32
+    assert auto_num_splits(256, 256, 8, 8192, 132) == 1        # enough programs already
+    assert auto_num_splits(40, 2, 8, 8192, 132) == 1           # prefill in the batch
+    assert auto_num_splits(2, 2, 8, 256, 132) == 1             # short contexts
+    assert auto_num_splits(2, 2, 8, 8192, 0) == 1              # not a GPU
+    decode = attention_config(num_tokens=4, num_seqs=4, group=3, head_size=80)
+    assert (decode.block_m, decode.block_q, decode.head_pad) == (16, 5, 128)
+    prefill = attention_config(num_tokens=100, num_seqs=4, group=4, head_size=64)
+    assert (prefill.block_m, prefill.block_q, prefill.tile_n) == (64, 16, 16)
+    assert attention_config(4, 4, 32, 128).block_m == 32
+
+
+def _generate_all(llm, prompts, params):
+    return [out.outputs[i].token_ids for out in llm.generate(prompts, params, use_tqdm=False)
+            for i in range(len(out.outputs))]
+
+
+def _engine_runs(model, tokenizer, backend, monkeypatch):
+    """Greedy batch, a prefix-cache hit (prefill over a cached context) and a beam search (copy-on-write)."""
+    monkeypatch.setenv("PAGED_BACKEND_KERNELS", backend)
+    prompts = ["The capital of France is", "Once upon a time, in a land far away, there lived a small dragon who"]
+    shared = "Paged attention splits the key value cache into fixed size blocks of tokens. " * 3
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(model, tokenizer=tokenizer, dtype=torch.float32, num_blocks=64, block_size=16)
+    batch = _generate_all(llm, prompts, greedy)
+    beams = _generate_all(llm, [prompts[1]], SamplingParams(temperature=0, beam_width=2, max_tokens=4,
+                                                            ignore_eos=True))
+    cached = LLM(model, tokenizer=tokenizer, dtype=torch.float32, num_blocks=64, block_size=16,
+                 enable_prefix_caching=True)
+    first = _generate_all(cached, [shared + "First question:"], greedy)
+    second = _generate_all(cached, [shared + "Second question:"], greedy)
+    hits = cached.engine.get_stats().num_cached_prefill_tokens
+    return {"batch": batch, "beams": beams, "prefix": first + second}, hits
+
+
+def test_engine_greedy_tokens_match_reference_kernels(monkeypatch):
+    from conftest import get_model
+
+    model, tokenizer = get_model("tiny-llama", torch.float32)
+    calls = {"reshape_and_cache": 0, "paged_attention": 0, "copy_blocks": 0}
+    for name in calls:
+        original = getattr(triton_kernels, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(triton_kernels, name, counting)
+    expected, _ = _engine_runs(model, tokenizer, "torch", monkeypatch)
+    assert sum(calls.values()) == 0
+    got, hits = _engine_runs(model, tokenizer, "triton", monkeypatch)
+    assert got == expected
+    assert calls["reshape_and_cache"] > 0 and calls["paged_attention"] > 0
+    assert calls["copy_blocks"] > 0, "the beam search should have copied a shared block"
+    assert hits > 0, "the second prompt should reuse the cached prefix"
+
+
+def test_interpreter_accepts_a_dot_the_gpu_compiler_rejects():
+    from bad_dot_kernel import small_k_dot_launch
+
+    a, b = torch.randn(16, 8), torch.randn(8, 16)
+    c = torch.full((16, 16), float("nan"))
+    small_k_dot_launch(a, b, c).run()     # K = 8: fine here, refused by the CUDA compiler (compile test)
+    torch.testing.assert_close(c, a @ b)
