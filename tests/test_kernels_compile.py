@@ -31,15 +31,18 @@ ATTENTION_CASES = {
     "decode-split8-fp16-d128-bs16": (torch.float16, 32, 8, 128, 16, "decode", 8),
     "decode-split4-bf16-d64-bs16-gqa3": (torch.bfloat16, 9, 3, 64, 16, "decode", 4),
     "prefill-split2-fp16-d96-bs32": (torch.float16, 8, 2, 96, 32, "prefill", 2),
+    # One sequence with a one-block table: the JIT turns num_seqs == 1 and stride_bt == 1 into constexprs.
+    "decode-batch1-bf16-d128-bs128": (torch.bfloat16, 32, 8, 128, 128, "decode", 1, 1, 1),
+    "decode-batch1-split2-fp16-d64-bs16": (torch.float16, 8, 8, 64, 16, "decode", 2, 1, 1),
+    "prefill-batch1-fp32-d80-bs16": (torch.float32, 4, 4, 80, 16, "prefill", 1, 1, 1),
 }
 
 
-def _attention_launches(dtype, heads, kv_heads, head_size, block_size, phase, splits):
-    num_seqs = 4
+def _attention_launches(dtype, heads, kv_heads, head_size, block_size, phase, splits, num_seqs=4, table_width=2):
     num_tokens = num_seqs if phase == "decode" else 96
     query = torch.zeros(num_tokens, heads, head_size, dtype=dtype)
     cache = torch.zeros(8, block_size, kv_heads, head_size, dtype=dtype)
-    block_tables = torch.zeros(num_seqs, 2, dtype=torch.int32)
+    block_tables = torch.zeros(num_seqs, table_width, dtype=torch.int32)
     context_lens = torch.ones(num_seqs, dtype=torch.int32)
     query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
     config = triton_attention.choose_config(query, cache, block_tables, splits)
@@ -75,7 +78,7 @@ else:
     @pytest.mark.parametrize("name", list(ATTENTION_CASES))
     def test_paged_attention_compiles(name, capability):
         launches = _attention_launches(*ATTENTION_CASES[name])
-        assert len(launches) == (2 if ATTENTION_CASES[name][-1] > 1 else 1)
+        assert len(launches) == (2 if ATTENTION_CASES[name][6] > 1 else 1)
         _compile_all(launches, capability, max_stack_bytes=32 if ATTENTION_CASES[name][0] == torch.float32 else 0)
 
     @pytest.mark.parametrize("capability", TARGETS)
