@@ -22,16 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[grpc] (pip install -e '.[tritonserver]')")
-pytest.importorskip("pytriton", reason="needs the nvidia-pytriton wheel (pip install -e '.[tritonserver]')")
+import tritonclient.grpc as grpcclient  # the [tritonserver] extra: tritonclient[http,grpc], nvidia-pytriton
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
-import tritonclient.grpc as grpcclient  # noqa: E402
-import tritonclient.http as httpclient  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
-from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.adapters.triton.repo import write_model_repository  # noqa: E402
-from paged_backend.adapters.triton.server import ServerConfig, TritonServer  # noqa: E402
+from paged_backend import LLM, SamplingParams
+from paged_backend.adapters.triton.repo import write_model_repository
+from paged_backend.adapters.triton.server import ServerConfig, TritonServer
 
 MODEL = "paged_llm"
 BROKEN = "broken_llm"

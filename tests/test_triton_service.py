@@ -134,9 +134,12 @@ def test_shutdown_answers_requests_in_flight(tiny):
     model, tokenizer = tiny
     svc = EngineService(AsyncLLMEngine(model, tokenizer=tokenizer, num_blocks=NUM_BLOCKS), Logger()).start()
     request = FakeRequest()
-    svc.submit(GenerateRequest(prompt="long", params=SamplingParams(max_tokens=500, ignore_eos=True),
+    svc.submit(GenerateRequest(prompt="long", params=SamplingParams(max_tokens=1000, ignore_eos=True),
                                stream=True, prepend_input=False), request)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while not request.responses and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert request.responses and not request.done.is_set()
     svc.shutdown()
     arrays, error, final = request.wait(5)[-1]
     assert final and error is not None and error.code == UNAVAILABLE
