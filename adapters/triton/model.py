@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 from paged_backend import AsyncLLMEngine
@@ -98,7 +99,7 @@ class TritonPythonModel:
         stats = engine.get_stats()
         self.logger.log_info(f"[paged_backend] model {self.name!r} ready: {stats.num_blocks} KV blocks of "
                              f"{stats.block_size} tokens, {stats.num_swap_blocks} swap blocks, "
-                             f"context {engine.engine.max_model_len} tokens")
+                             f"context {engine.engine.max_model_len} tokens, {torch.get_num_threads()} torch threads")
 
     def _config_flag(self, key: str, default: bool) -> bool:
         value = self.model_config.get("parameters", {}).get(key, {}).get("string_value")
