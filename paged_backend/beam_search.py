@@ -24,6 +24,7 @@ class Hypothesis:
     token_ids: List[int]
     sum_logprob: float
     score: float
+    beam_indices: List[int] = field(default_factory=list)  # live beam extended at each step
 
 
 @dataclass
@@ -54,6 +55,10 @@ class BeamSearchState:
     done: bool = False
     cur_len: int = field(init=False)
     pending: Dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> log-probs awaiting siblings
+    record_scores: bool = False  # keep each step's log-probs and raw logits of the live beams (output_scores)
+    pending_logits: Dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> raw logits awaiting siblings
+    step_scores: List[torch.Tensor] = field(default_factory=list)
+    step_logits: List[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.running_scores = torch.zeros(1, dtype=torch.float32)
@@ -67,9 +72,11 @@ class BeamSearchState:
     def num_candidates(self) -> int:
         return max(2, 1 + len(self.eos_ids)) * self.beam_width
 
-    def step(self, log_probs: torch.Tensor, beam_tokens: List[List[int]]) -> List[BeamDecision]:
-        """Advance by one token. `log_probs` `[live beams, vocab]` (processed, float32) and each live
-        beam's generated tokens so far; returns the new live beams, best first."""
+    def step(self, log_probs: torch.Tensor, beam_tokens: List[List[int]],
+             beam_paths: Optional[List[List[int]]] = None) -> List[BeamDecision]:
+        """Advance by one token. `log_probs` `[live beams, vocab]` (processed, float32), each live
+        beam's generated tokens so far and (optionally) the live beam it extended at each earlier step;
+        returns the new live beams, best first."""
         k = self.beam_width
         vocab = log_probs.shape[1]
         accumulated = (log_probs + self.running_scores[:, None]).reshape(-1)
@@ -83,14 +90,15 @@ class BeamSearchState:
         keep = torch.topk(running, k=k)[1].tolist()
         decisions = [BeamDecision(parents[c], tokens[c], float(log_probs[parents[c], tokens[c]]), float(running[c]))
                      for c in keep]
-        self._update_finished(top_scores, hits, parents, tokens, beam_tokens)
+        paths = beam_paths if beam_paths is not None else [[] for _ in beam_tokens]
+        self._update_finished(top_scores, hits, parents, tokens, beam_tokens, paths)
         self.running_scores = running[keep]
         self.cur_len += 1
         self._update_done(hits)
         return decisions
 
     def _update_finished(self, top_scores: torch.Tensor, hits: torch.Tensor, parents: List[int],
-                         tokens: List[int], beam_tokens: List[List[int]]) -> None:
+                         tokens: List[int], beam_tokens: List[List[int]], paths: List[List[int]]) -> None:
         k = self.beam_width
         top_mask = torch.arange(len(tokens)) < k
         just_finished = hits & top_mask
@@ -109,7 +117,7 @@ class BeamSearchState:
             elif bool(just_finished[c - k]):
                 j = c - k
                 slots.append(Hypothesis(beam_tokens[parents[j]] + [tokens[j]], float(top_scores[j]),
-                                        float(merged_scores[c])))
+                                        float(merged_scores[c]), paths[parents[j]] + [parents[j]]))
             else:
                 slots.append(None)
         self.finished = slots

@@ -57,6 +57,12 @@ class CacheEngine:
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [(self.kv[i, 0], self.kv[i, 1])
                                                                     for i in range(geometry.num_layers)]
 
+    def release(self) -> None:
+        """Drop the device and host KV tensors (the engine is shutting down); no block can be used afterwards."""
+        self.kv = torch.empty(0, dtype=self.kv.dtype, device=self.kv.device)
+        self.host_kv = torch.empty(0, dtype=self.host_kv.dtype)
+        self.kv_caches = []
+
     def swap_out(self, mapping: Dict[int, int]) -> None:
         """Copy device blocks to host blocks (`mapping`: device -> host)."""
         if mapping:

@@ -159,7 +159,7 @@ class LLMEngine:
         if params.use_beam_search:
             group.beam_state = BeamSearchState(
                 params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
-                params.early_stopping, self._stop_ids(params))
+                params.early_stopping, self._stop_ids(params), record_scores=params.output_scores)
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -299,18 +299,24 @@ class LLMEngine:
         log_probs = Sampler.beam_log_probs(logits, requests)
         touched: Dict[str, SequenceGroup] = {}
         for i, item in enumerate(items):
-            item.group.beam_state.pending[item.seq.seq_id] = log_probs[i]
+            state: BeamSearchState = item.group.beam_state
+            state.pending[item.seq.seq_id] = log_probs[i]
+            if state.record_scores:
+                state.pending_logits[item.seq.seq_id] = logits[i].to(torch.float32)
             touched[item.group.request_id] = item.group
         for group in touched.values():
             live = group.unfinished_seqs()
-            state: BeamSearchState = group.beam_state
+            state = group.beam_state
             if all(seq.seq_id in state.pending for seq in live):
                 rows = torch.stack([state.pending.pop(seq.seq_id) for seq in live])
+                if state.record_scores:
+                    state.step_scores.append(rows.clone())
+                    state.step_logits.append(torch.stack([state.pending_logits.pop(seq.seq_id) for seq in live]))
                 self._beam_step(group, live, rows)
 
     def _beam_step(self, group: SequenceGroup, live: List[Sequence], log_probs: torch.Tensor) -> None:
         state: BeamSearchState = group.beam_state
-        decisions = state.step(log_probs, [seq.output_token_ids for seq in live])
+        decisions = state.step(log_probs, [seq.output_token_ids for seq in live], [seq.beam_indices for seq in live])
         group.branched = True
         for _ in decisions:
             self._note_token(group)
@@ -329,10 +335,12 @@ class LLMEngine:
                 self.block_manager.fork(parent, child)
                 child.append_token(decision.token_id, decision.logprob)
                 child.cumulative_logprob = decision.score
+                child.beam_indices.append(decision.parent)
                 new_live[position] = child
             position, decision = children[0]
             parent.append_token(decision.token_id, decision.logprob)
             parent.cumulative_logprob = decision.score
+            parent.beam_indices.append(decision.parent)
             new_live[position] = parent
         group.seqs = [seq for seq in new_live if seq is not None]
 
@@ -342,7 +350,9 @@ class LLMEngine:
             index=index, text=seq.output_text, token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-            finish_reason=seq.status.value if seq.is_finished() else None, stop_reason=seq.stop_reason)
+            finish_reason=seq.status.value if seq.is_finished() else None, stop_reason=seq.stop_reason,
+            scores=[scores for _, scores in seq.output_scores] if params.output_scores else None,
+            logits=[logits for logits, _ in seq.output_scores] if params.output_scores else None)
 
     def _beam_completions(self, group: SequenceGroup, final: bool) -> List[CompletionOutput]:
         params = group.sampling_params
@@ -356,13 +366,14 @@ class LLMEngine:
                 ended_by_eos = bool(hyp.token_ids) and hyp.token_ids[-1] in set(self._stop_ids(params))
                 outputs.append(CompletionOutput(i, text, hyp.token_ids, hyp.sum_logprob,
                                                 finish_reason="stop" if ended_by_eos else "length",
-                                                beam_score=hyp.score))
+                                                beam_score=hyp.score, beam_indices=list(hyp.beam_indices)))
             return outputs
         for i, seq in enumerate(group.seqs[: params.n]):
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens) \
                 if self.tokenizer is not None else ""
             outputs.append(CompletionOutput(i, text, seq.output_token_ids, seq.cumulative_logprob,
-                                            finish_reason="abort" if final else None))
+                                            finish_reason="abort" if final else None,
+                                            beam_indices=list(seq.beam_indices)))
         return outputs
 
     def _completions(self, group: SequenceGroup, final: bool) -> List[CompletionOutput]:
@@ -378,11 +389,15 @@ class LLMEngine:
 
     def _output(self, group: SequenceGroup, final: bool = False) -> RequestOutput:
         m = group.metrics
+        state: Optional[BeamSearchState] = group.beam_state
+        recorded = state is not None and state.record_scores
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
                              self._completions(group, final), final, group.error,
                              {"arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
                               "first_token_time": m.first_token_time, "last_token_time": m.last_token_time,
-                              "finished_time": m.finished_time})
+                              "finished_time": m.finished_time},
+                             step_scores=list(state.step_scores) if recorded else None,
+                             step_logits=list(state.step_logits) if recorded else None)
 
     def _finalize(self, group: SequenceGroup) -> RequestOutput:
         """The last output of a finished, aborted or failed request; forgets it."""
@@ -419,7 +434,10 @@ class LLMEngine:
             num_requests_failed=self.counters.num_requests_failed)
 
     def shutdown(self) -> None:
-        """Release worker processes (tensor parallelism); the engine is unusable afterwards."""
+        """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""
         close = getattr(self.runner, "shutdown", None)
         if close is not None:
             close()
+        cache = getattr(self.runner, "cache_engine", None)
+        if cache is not None:
+            cache.release()

@@ -44,6 +44,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.output_logprobs: List[Dict[int, float]] = []
         self.output_scores: List[Any] = []
+        self.beam_indices: List[int] = []  # beam search: the live beam this sequence extended at each step
         self.output_text = ""
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
@@ -89,6 +90,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.output_scores = list(self.output_scores)
+        child.beam_indices = list(self.beam_indices)
         child.block_hashes = list(self.block_hashes)
         return child
 

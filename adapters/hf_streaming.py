@@ -1,0 +1,109 @@
+"""Streaming without a thread: `model.generate_stream(...)` returns a `GenerationStream` that yields one
+`TokenEvent` per generated token of every row, in transformers' step order, and then holds exactly what
+`generate` would have returned. Transformers streamers (`TextStreamer`, `TextIteratorStreamer`, any
+`BaseStreamer`) are fed from the same steps: `put(prompt ids)` once, `put(step tokens)` per step, `end()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional
+
+import torch
+
+from .hf_runner import Commit, SamplingRun
+
+
+@dataclass
+class TokenEvent:
+    """One new token of one output row."""
+
+    row: int                  # row of the output tensor: request * num_return_sequences + sample
+    request: int              # row of the input batch
+    sample: int               # which of the request's num_return_sequences
+    step: int                 # 1 for the first generated token
+    token_id: int
+    text: str                 # the text this token completes (may be "" inside a multi-byte character)
+    finished: bool            # the row ends with this token
+    finish_reason: Optional[str] = None   # "stop" (EOS, stop string, stopping criteria) or "length"
+
+
+class IncrementalText:
+    """Text deltas of a growing token list, decoding only the last few tokens each time."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.tokens: List[int] = []
+        self.prefix_offset = 0   # decoding starts here, so merges and spaces come out right
+        self.read_offset = 0     # text up to here has been returned
+
+    def push(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        if self.tokenizer is None:
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        text = decode(self.tokens[self.prefix_offset:], skip_special_tokens=self.skip)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # no visible text yet, or an incomplete UTF-8 character: wait for more tokens
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return text[len(prefix):]
+
+
+def _finish_reason(run: SamplingRun, index: int) -> str:
+    row = run.rows[index]
+    if row.engine_done and row.finish_reason == "length" and len(row.tokens) == row.stopped_at:
+        return "length"
+    return "stop"
+
+
+class GenerationStream:
+    """Iterates a sampling/greedy run's tokens; `output` is `generate`'s return value once exhausted."""
+
+    def __init__(self, run: SamplingRun, streamer, tokenizer, guard: Callable[[], object]) -> None:
+        self._run, self._streamer, self._guard = run, streamer, guard
+        self._texts = [IncrementalText(tokenizer) for _ in run.rows]
+        self._events = self._generate()
+        self._output = None
+        self._done = False
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._events)
+
+    def close(self) -> None:
+        """Stop early: aborts the call's requests and frees their KV blocks."""
+        self._events.close()
+
+    @property
+    def output(self):
+        if not self._done:
+            raise RuntimeError("the stream is not exhausted yet: iterate it to the end first")
+        return self._output
+
+    def _generate(self) -> Iterator[TokenEvent]:
+        run, streamer = self._run, self._streamer
+        with self._guard():
+            try:
+                if streamer is not None:
+                    streamer.put(run.sequences().cpu())
+                for commit in run.commits():
+                    if streamer is not None:
+                        streamer.put(torch.tensor(commit.tokens, dtype=torch.long))
+                    yield from self._events_of(commit)
+                self._output = run.output()
+                self._done = True
+            finally:
+                if streamer is not None:
+                    streamer.end()
+
+    def _events_of(self, commit: Commit) -> Iterator[TokenEvent]:
+        ended = set(commit.ended)
+        per_request = self._run.plan.num_return
+        for i, live in enumerate(commit.live):
+            if not live:
+                continue
+            token = commit.tokens[i]
+            yield TokenEvent(i, i // per_request, i % per_request, commit.step, token, self._texts[i].push(token),
+                             i in ended, _finish_reason(self._run, i) if i in ended else None)
