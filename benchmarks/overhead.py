@@ -1,0 +1,186 @@
+"""Benchmark 5, engine overhead: the share of a decode step's wall time spent outside the model forward
+(scheduling, block management, input preparation, sampling, output bookkeeping) at 1, 64 and 256
+running sequences.
+
+Phases are timed with `perf_counter` by wrapping the engine's own methods for the duration of the
+measurement; nothing the step does changes. The forward's paged-attention calls (cache write and
+attention through block tables) are timed too, as a part of the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from paged_backend import LLMEngine, SamplingParams
+
+from .engine_runs import leaked_blocks, load_bench_model, release, set_threads
+from .report import conditions, format_table, percent
+from .workloads import make_trace
+
+PHASES = ("schedule", "block_manager", "prepare_inputs", "forward", "attention", "sampling", "bookkeeping", "other")
+PAPER_NOTE = ("the paper gives no CPU-side step breakdown; its Fig. 18a reports the PagedAttention kernel "
+              "20-26% slower than FasterTransformer's contiguous kernel, an overhead inside the attention op")
+
+
+@dataclass
+class OverheadConfig:
+    model: str = "smollm2"
+    batch_sizes: Tuple[int, ...] = (1, 64, 256)
+    prompt_len: int = 32
+    decode_steps: int = 8
+    block_size: int = 16
+    seed: int = 0
+    threads: Optional[int] = None
+
+
+QUICK = {"model": "tiny-llama", "batch_sizes": (1, 8), "decode_steps": 3}
+
+
+class PhaseTimer:
+    """Seconds per phase, exclusive of the wrapped calls nested inside (the forward's attention calls
+    are not counted again as forward, block-manager calls not again as scheduling)."""
+
+    def __init__(self) -> None:
+        self.seconds: Dict[str, float] = defaultdict(float)
+        self._nested: List[float] = []
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self._nested.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.seconds[phase] += elapsed - self._nested.pop()
+                if self._nested:
+                    self._nested[-1] += elapsed
+        return timed
+
+
+@contextlib.contextmanager
+def instrumented(engine: LLMEngine, timer: PhaseTimer) -> Iterator[None]:
+    """Time the phases of `engine.step` by wrapping the methods it calls; restores them afterwards."""
+    import paged_backend.engine as engine_module
+    from paged_backend import kernels
+
+    bm = engine.block_manager
+    patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "forward"),
+               (engine.sampler, "sample", "sampling"), (engine, "_process", "bookkeeping"),
+               (engine_module, "prepare_inputs", "prepare_inputs"), (kernels, "paged_attention", "attention"),
+               (kernels, "reshape_and_cache", "attention")]
+    patches += [(bm, name, "block_manager") for name in ("can_allocate", "allocate", "can_append_slots",
+                                                         "append_slots", "free", "fork", "mark_computed")]
+    saved = [(obj, name, name in vars(obj), vars(obj).get(name)) for obj, name, _ in patches]
+    for obj, name, phase in patches:
+        setattr(obj, name, timer.wrap(phase, getattr(obj, name)))
+    try:
+        yield
+    finally:
+        for obj, name, had_own, own in reversed(saved):
+            if had_own:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)
+
+
+def _prompts(tokenizer, count: int, length: int, seed: int) -> List[List[int]]:
+    trace = make_trace("sharegpt", tokenizer, min(count, 64), seed)
+    ids = [t for r in trace.requests for t in r.prompt_token_ids]
+    rng = random.Random(seed)
+    return [[ids[(rng.randrange(len(ids)) + j) % len(ids)] for j in range(length)] for _ in range(count)]
+
+
+def measure_batch(model, tokenizer, batch: int, config: OverheadConfig) -> dict:
+    """Bring `batch` sequences to decoding, then time `decode_steps` steps phase by phase."""
+    prefill_steps = -(-batch * config.prompt_len // 2048) + 1
+    max_tokens = prefill_steps + config.decode_steps + 2
+    blocks = batch * (-(-(config.prompt_len + max_tokens) // config.block_size) + 1) + 8
+    engine = LLMEngine(model, tokenizer, block_size=config.block_size, num_blocks=blocks, num_swap_blocks=0,
+                       max_num_seqs=max(256, batch), max_num_batched_tokens=2048, seed=config.seed)
+    try:
+        for i, prompt in enumerate(_prompts(tokenizer, batch, config.prompt_len, config.seed)):
+            engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+        scheduler = engine.scheduler
+        while any(s.num_computed_tokens < s.prompt_len for g in itertools.chain(scheduler.waiting, scheduler.running)
+                  for s in g.seqs):
+            engine.step()
+        timer = PhaseTimer()
+        total = 0.0
+        with instrumented(engine, timer):
+            for _ in range(config.decode_steps):
+                start = time.perf_counter()
+                engine.step()
+                total += time.perf_counter() - start
+        running = engine.get_stats().num_running
+        engine.abort_request(list(engine.groups))
+        leaked = leaked_blocks(engine)
+    finally:
+        release(engine)
+    s = timer.seconds
+    steps = config.decode_steps
+    phases = {name: s[name] for name in PHASES if name != "other"}
+    phases["other"] = total - sum(phases.values())
+    forward = s["forward"] + s["attention"]
+    return {"batch": batch, "running": running, "step_ms": 1000 * total / steps,
+            "phase_ms": {k: 1000 * v / steps for k, v in phases.items()}, "forward_ms": 1000 * forward / steps,
+            "outside_forward_share": 1 - forward / total if total else 0.0,
+            "attention_share_of_forward": s["attention"] / forward if forward else 0.0,
+            "leaked_blocks": leaked}
+
+
+def run_overhead(config: OverheadConfig) -> dict:
+    threads = set_threads(config.threads)
+    model, tokenizer = load_bench_model(config.model)
+    rows = [measure_batch(model, tokenizer, batch, config) for batch in config.batch_sizes]
+    return {"benchmark": "overhead", "config": asdict(config), "conditions": conditions(threads=threads),
+            "runs": rows, "paper": PAPER_NOTE}
+
+
+def overhead_table(result: dict) -> str:
+    headers = ["running seqs", "step ms", "forward ms", "outside forward", "schedule", "block mgr", "prepare",
+               "sampling", "bookkeeping", "other", "attention in fwd"]
+    rows = []
+    for r in result["runs"]:
+        p = r["phase_ms"]
+        rows.append([r["running"], f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", percent(r["outside_forward_share"]),
+                     f"{p['schedule']:.2f}", f"{p['block_manager']:.2f}", f"{p['prepare_inputs']:.2f}",
+                     f"{p['sampling']:.2f}", f"{p['bookkeeping']:.2f}", f"{p['other']:.2f}",
+                     percent(r["attention_share_of_forward"])])
+    c = result["config"]
+    title = (f"Engine overhead per decode step ({c['model']}, prompts of {c['prompt_len']} tokens, "
+             f"{c['decode_steps']} steps averaged, {result['conditions']['torch_threads']} threads; phases in ms)")
+    return format_table(headers, rows, title)
+
+
+def check_overhead(result: dict) -> List[str]:
+    problems = []
+    for r in result["runs"]:
+        if r["running"] != r["batch"]:
+            problems.append(f"batch {r['batch']}: {r['running']} sequences were running")
+        if r["leaked_blocks"]:
+            problems.append(f"batch {r['batch']}: {r['leaked_blocks']} KV blocks leaked")
+        if not 0.0 < r["outside_forward_share"] < 1.0:
+            problems.append(f"batch {r['batch']}: outside-forward share {r['outside_forward_share']} out of range")
+    return problems
+
+
+def main(config: OverheadConfig, out_dir, plot: bool = True) -> dict:
+    from .plots import plot_overhead
+    from .report import write_json
+
+    start = time.perf_counter()
+    result = run_overhead(config)
+    result["elapsed_s"] = time.perf_counter() - start
+    result["problems"] = check_overhead(result)
+    print(overhead_table(result))
+    write_json(out_dir / "overhead.json", result)
+    if plot:
+        plot_overhead(result, out_dir / "overhead.png")
+    return result
