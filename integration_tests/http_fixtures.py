@@ -1,4 +1,5 @@
-"""The shared HTTP server and reference LLM for the HTTP test modules (each wraps them in fixtures).
+"""The shared HTTP server and reference LLM for the HTTP test modules, and the fixtures over them
+(modules import the fixtures they use).
 
 Not a conftest.py: a second `conftest` module would shadow tests/conftest.py, which unit tests import
 as `conftest`. One server serves the whole session: the first module to ask starts it, the session's
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from http_helpers import client
 from http_server_process import HTTP_API_KEY, HTTP_MODEL, HTTP_NUM_BLOCKS, ServerProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,3 +40,19 @@ def shared_reference():
 
         _shared["llm"] = LLM(HTTP_MODEL, dtype=torch.float32, num_blocks=512)
     return _shared["llm"]
+
+
+@pytest.fixture(scope="module")
+def http_server(request):
+    return shared_server(request.config)
+
+
+@pytest.fixture(scope="module")
+def http_reference():
+    return shared_reference()
+
+
+@pytest.fixture(scope="module")
+def http(http_server):
+    with client(http_server) as c:
+        yield c

@@ -10,7 +10,7 @@ import text_generation
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError as HFValidationError
 
-from http_fixtures import shared_reference, shared_server
+from http_fixtures import http_reference, http_server  # noqa: F401 (fixtures)
 from http_helpers import chat_ids, greedy
 from http_server_process import AUTH, HTTP_API_KEY, HTTP_MODEL
 
@@ -19,16 +19,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated"
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Write a haiku about memory pages."}]
-
-
-@pytest.fixture(scope="module")
-def http_server(request):
-    return shared_server(request.config)
-
-
-@pytest.fixture(scope="module")
-def http_reference():
-    return shared_reference()
 
 
 @pytest.fixture(scope="module")

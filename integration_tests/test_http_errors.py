@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from http_fixtures import shared_reference, shared_server
+from http_fixtures import http, http_reference, http_server  # noqa: F401 (fixtures)
 from http_helpers import client, greedy, wait_idle
 from http_server_process import AUTH, HTTP_MODEL, HTTP_NUM_BLOCKS
 
@@ -100,22 +100,6 @@ OPENAI_CASES = [
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
      "messages", "only text content"),
 ]
-
-
-@pytest.fixture(scope="module")
-def http_server(request):
-    return shared_server(request.config)
-
-
-@pytest.fixture(scope="module")
-def http_reference():
-    return shared_reference()
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with client(http_server) as c:
-        yield c
 
 
 def _post(http, path, body):

@@ -10,27 +10,11 @@ import pytest
 
 from paged_backend import SamplingParams
 
-from http_fixtures import shared_reference, shared_server
+from http_fixtures import http, http_reference, http_server  # noqa: F401 (fixtures)
 from http_helpers import chat_ids, client, greedy, metrics, sse_events, token_pieces, wait_idle
 from http_server_process import AUTH, HTTP_MODEL, HTTP_NUM_BLOCKS
 
 PROMPTS = ["The capital of France is", "Paged attention splits the KV cache into", "1, 2, 3, 4,"]
-
-
-@pytest.fixture(scope="module")
-def http_server(request):
-    return shared_server(request.config)
-
-
-@pytest.fixture(scope="module")
-def http_reference():
-    return shared_reference()
-
-
-@pytest.fixture(scope="module")
-def http(http_server):
-    with client(http_server) as c:
-        yield c
 
 
 def test_health_info_models(http_server, http):
