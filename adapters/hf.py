@@ -237,10 +237,7 @@ def _generate(model, inputs: Optional[torch.Tensor] = None, generation_config=No
     if plan.num_beams > 1:
         with state.guard() as engine:
             return BeamRun(engine, plan).run()
-    stream = GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard)
-    for _ in stream:
-        pass
-    return stream.output
+    return GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard).finish()
 
 
 def _generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,

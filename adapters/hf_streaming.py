@@ -62,9 +62,17 @@ class GenerationStream:
     def __init__(self, run: SamplingRun, streamer, tokenizer, guard: Callable[[], object]) -> None:
         self._run, self._streamer, self._guard = run, streamer, guard
         self._texts = [IncrementalText(tokenizer) for _ in run.rows]
+        self._with_events = True
         self._events = self._generate()
         self._output = None
         self._done = False
+
+    def finish(self):
+        """Run to the end without building events (what `generate` does); returns `output`."""
+        self._with_events = False
+        for _ in self._events:
+            pass
+        return self.output
 
     def __iter__(self) -> "GenerationStream":
         return self
@@ -91,7 +99,8 @@ class GenerationStream:
                 for commit in run.commits():
                     if streamer is not None:
                         streamer.put(torch.tensor(commit.tokens, dtype=torch.long))
-                    yield from self._events_of(commit)
+                    if self._with_events:
+                        yield from self._events_of(commit)
                 self._output = run.output()
                 self._done = True
             finally:

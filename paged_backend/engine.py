@@ -226,8 +226,9 @@ class LLMEngine:
                 item.group.metrics.first_scheduled_time = now
         rows = {id(item): i for i, item in enumerate(samplers)}
         normal = [item for item in samplers if not item.group.sampling_params.use_beam_search]
-        if normal:
-            self._sample(normal, logits[[rows[id(item)] for item in normal]])
+        if normal:  # every row in order (the usual case) needs no gathered copy of the logits
+            self._sample(normal, logits if len(normal) == len(samplers) else
+                         logits[[rows[id(item)] for item in normal]])
         beams = [item for item in samplers if item.group.sampling_params.use_beam_search]
         if beams:
             self._beam_search(beams, logits[[rows[id(item)] for item in beams]])
