@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional
 
@@ -26,7 +27,7 @@ from paged_backend import LLMEngine
 from .hf_config import (UNSUPPORTED_GENERATE_ARGS, ResolvedConfig, check_supported, prepare_lengths,
                         resolve_generation_config, sampling_params, special_tokens)
 from .hf_inputs import prepare_prompts
-from .hf_outputs import OutputOptions
+from .hf_outputs import UNMATCHED_ROWS_WARNING, OutputOptions
 from .hf_runner import BeamRun, Plan, SamplingRun
 from .hf_streaming import GenerationStream, TokenEvent
 
@@ -236,8 +237,14 @@ def _generate(model, inputs: Optional[torch.Tensor] = None, generation_config=No
     plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria, streamer, kwargs)
     if plan.num_beams > 1:
         with state.guard() as engine:
-            return BeamRun(engine, plan).run()
-    return GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard).finish()
+            run = BeamRun(engine, plan)
+            output = run.run()
+    else:
+        run = GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard)
+        output = run.finish()
+    if run.filled_rows and plan.options.records:
+        warnings.warn(UNMATCHED_ROWS_WARNING, UserWarning, stacklevel=3)
+    return output
 
 
 def _generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,

@@ -4,7 +4,6 @@ passed, then generated tokens, finished rows padded) and, with `return_dict_in_g
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -94,7 +93,8 @@ def _per_step_rows(per_request: List[Optional[List[torch.Tensor]]], num_beams: i
 def beam_output(input_ids: torch.Tensor, results: List[List[BeamResult]], num_beams: int, num_return: int,
                 fill: int, options: OutputOptions, step_scores: List[Optional[List[torch.Tensor]]],
                 step_logits: List[Optional[List[torch.Tensor]]]):
-    """Beam search result: the tensor, or `GenerateBeamDecoderOnlyOutput`."""
+    """Beam search result (the tensor, or `GenerateBeamDecoderOnlyOutput`) and whether some score rows had
+    to be left blank (prompts whose search ended before the others)."""
     device = input_ids.device
     prompt = expanded_prompt(input_ids, num_return)
     rows, indices, scores = [], [], []
@@ -112,17 +112,17 @@ def beam_output(input_ids: torch.Tensor, results: List[List[BeamResult]], num_be
         beam_indices[i, : len(path)] = torch.tensor(path, dtype=torch.int32)
     sequences = torch.cat([prompt, generated.to(device)], dim=1)
     if not options.return_dict:
-        return sequences
+        return sequences, False
     all_scores = all_logits = None
+    filled = False
     if options.output_scores:
         all_scores, filled = _per_step_rows(step_scores, num_beams, device)
-        if filled:
-            warnings.warn(UNMATCHED_ROWS_WARNING, UserWarning, stacklevel=4)
     if options.output_logits:
-        all_logits, _ = _per_step_rows(step_logits, num_beams, device)
+        all_logits, filled_logits = _per_step_rows(step_logits, num_beams, device)
+        filled = filled or filled_logits
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences,
         sequences_scores=torch.tensor(scores, dtype=torch.float32, device=device) if options.output_scores else None,
         scores=tuple(all_scores) if all_scores is not None else None,
         logits=tuple(all_logits) if all_logits is not None else None,
-        beam_indices=beam_indices.to(device), attentions=None, hidden_states=None, cache=None)
+        beam_indices=beam_indices.to(device), attentions=None, hidden_states=None, cache=None), filled

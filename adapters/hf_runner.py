@@ -10,7 +10,6 @@ step, and its request is aborted in the engine once all its rows have stopped.
 from __future__ import annotations
 
 import itertools
-import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
@@ -19,8 +18,8 @@ import torch
 from paged_backend import LLMEngine, RequestOutput, SamplingParams
 
 from .hf_inputs import PromptBatch
-from .hf_outputs import (UNMATCHED_ROWS_WARNING, BeamResult, OutputOptions, beam_fill_value, beam_output,
-                         decoder_only_output, expanded_prompt, neg_inf_rows)
+from .hf_outputs import (BeamResult, OutputOptions, beam_fill_value, beam_output, decoder_only_output,
+                         expanded_prompt, neg_inf_rows)
 
 _call_ids = itertools.count()
 
@@ -166,14 +165,17 @@ class SamplingRun:
         if not all(have):
             self.filled_rows = True
         blank = neg_inf_rows(1, vocab, "cpu")[0]
-        self.step_scores.append(torch.stack([r.scores[step - 1] if ok else blank
-                                             for r, ok in zip(self.rows, have)]).to(device))
-        self.step_logits.append(torch.stack([r.logits[step - 1] if ok else blank
-                                             for r, ok in zip(self.rows, have)]).to(device))
+        if self.plan.options.output_scores:
+            self.step_scores.append(torch.stack([r.scores[step - 1] if ok else blank
+                                                 for r, ok in zip(self.rows, have)]).to(device))
+        if self.plan.options.output_logits:
+            self.step_logits.append(torch.stack([r.logits[step - 1] if ok else blank
+                                                 for r, ok in zip(self.rows, have)]).to(device))
 
     def _apply_criteria(self, step: int, live: List[bool], ended: List[int]) -> None:
         ids = self.sequences()
         scores = tuple(self.step_scores) if self.plan.options.records and self.plan.options.output_scores else None
+        # transformers passes its `scores` tuple (None unless return_dict_in_generate and output_scores)
         done = self.plan.criteria(ids, scores)
         done = torch.as_tensor(done, dtype=torch.bool).reshape(-1).expand(len(self.rows)).tolist()
         for i, row in enumerate(self.rows):
@@ -200,8 +202,6 @@ class SamplingRun:
         return torch.cat([prompt, generated.to(prompt.device)], dim=1)
 
     def output(self):
-        if self.filled_rows and self.plan.options.records:
-            warnings.warn(UNMATCHED_ROWS_WARNING, UserWarning, stacklevel=3)
         return decoder_only_output(self.sequences(), self.plan.options, self.step_scores, self.step_logits)
 
 
@@ -210,6 +210,7 @@ class BeamRun:
 
     def __init__(self, engine: LLMEngine, plan: Plan) -> None:
         self.engine, self.plan = engine, plan
+        self.filled_rows = False
 
     def run(self):
         plan = self.plan
@@ -232,6 +233,7 @@ class BeamRun:
         ordered = [finals[b] for b in range(plan.batch.batch_size)]
         results = [[BeamResult(c.token_ids, c.beam_score, c.beam_indices or []) for c in out.outputs]
                    for out in ordered]
-        return beam_output(plan.batch.input_ids, results, plan.num_beams, plan.num_return,
-                           beam_fill_value(plan.pad_id, plan.eos_ids), plan.options,
-                           [out.step_scores or [] for out in ordered], [out.step_logits or [] for out in ordered])
+        output, self.filled_rows = beam_output(
+            plan.batch.input_ids, results, plan.num_beams, plan.num_return, beam_fill_value(plan.pad_id, plan.eos_ids),
+            plan.options, [out.step_scores or [] for out in ordered], [out.step_logits or [] for out in ordered])
+        return output

@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
 import torch
 
+from .hf_outputs import UNMATCHED_ROWS_WARNING
 from .hf_runner import Commit, SamplingRun
 
 
@@ -74,6 +76,11 @@ class GenerationStream:
             pass
         return self.output
 
+    @property
+    def filled_rows(self) -> bool:
+        """Some score/logit rows were left blank (sequences that had finished)."""
+        return self._run.filled_rows
+
     def __iter__(self) -> "GenerationStream":
         return self
 
@@ -103,6 +110,8 @@ class GenerationStream:
                         yield from self._events_of(commit)
                 self._output = run.output()
                 self._done = True
+                if self._with_events and run.filled_rows and run.plan.options.records:
+                    warnings.warn(UNMATCHED_ROWS_WARNING, UserWarning, stacklevel=2)
             finally:
                 if streamer is not None:
                     streamer.end()

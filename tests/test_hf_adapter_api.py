@@ -301,3 +301,43 @@ def test_paged_model_from_pretrained(tmp_path):
         assert torch.equal(loaded.generate(**enc, max_new_tokens=4), first)
     finally:
         detach(loaded)
+
+
+@pytest.mark.parametrize("case", ["positional", "no_mask", "bos_start", "beams_without_eos", "beam_pad_zero"])
+def test_edge_calls_equal_transformers(gpt2, case):
+    model, tok = gpt2
+    ids = torch.tensor([[504, 3575, 282], [4649, 314, 58]])
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    args, kwargs = (), dict(max_new_tokens=6)  # "bos_start": no inputs at all, transformers starts from BOS
+    if case == "positional":
+        args = (ids,)
+    elif case == "no_mask":
+        kwargs["input_ids"] = ids
+    elif case == "beams_without_eos":
+        kwargs.update(enc, num_beams=3, num_return_sequences=2, eos_token_id=None, return_dict_in_generate=True,
+                      output_scores=True)
+    elif case == "beam_pad_zero":  # transformers fills beams with eos when pad_token_id is 0
+        kwargs.update(enc, num_beams=2, pad_token_id=0, eos_token_id=[262, 48354], max_new_tokens=12)
+    out = model.generate(*args, **kwargs)
+    assert_same_output(hf_generate(model, *args, **kwargs), out)
+    if case == "beam_pad_zero":
+        assert int(out[0, -1]) == 262  # row 0 ended early and was filled with eos_token_id[0], not 0
+    if case == "bos_start":
+        assert out.shape == (1, 7) and int(out[0, 0]) == 1
+
+
+def test_a_failing_stopping_criterion_leaves_nothing_behind(gpt2):
+    model, tok = gpt2
+    enc = left_padded(tok)
+    calls = []
+
+    def explode(input_ids, scores, **kwargs):
+        calls.append(input_ids.shape)
+        if len(calls) == 2:
+            raise KeyError("criterion failed")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with pytest.raises(KeyError, match="criterion failed"):
+        model.generate(**enc, max_new_tokens=6, stopping_criteria=[explode])
+    assert_no_leaks(model.paged_engine)
+    assert model.generate(**enc, max_new_tokens=2).shape == (3, enc.input_ids.shape[1] + 2)
