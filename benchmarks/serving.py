@@ -146,6 +146,9 @@ def _serve_and_measure(system: str, args: List[str], trace, config: ServingConfi
             requests = trace.requests[:len(times)]
             timings = asyncio.run(_run_rate(server.base_url, requests, times, config.drain_timeout_s))
             rows.append({"system": system, **summarize(timings, requests, rate)})
+            norm = rows[-1].get("normalized_latency_s_per_token")
+            print(f"  {system} at {rate} req/s: {rows[-1]['num_finished']}/{len(requests)} done, normalized latency "
+                  f"{'-' if norm is None else f'{norm:.3f}'} s/token", flush=True)
         return rows
     finally:
         code = server.stop()

@@ -14,14 +14,16 @@ from typing import List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
-from .engine_runs import leaked_blocks, load_bench_model, release, set_threads
+from .engine_runs import build_engine, leaked_blocks, load_bench_model, release, set_threads
 from .report import conditions, format_table, percent
 from .translation import few_shot_prefix
-from .workloads import Trace, make_trace
+from .workloads import MAX_TOTAL_TOKENS, Trace, make_trace
 
-# The paper's section 6.3 (OPT-13B, Alpaca): memory saved by sharing, in %.
+# The paper's sections 6.3 (OPT-13B, memory saved by sharing) and 6.4 (shared prefix).
 PAPER_SAVINGS = {"parallel": "6.1-9.8% (Alpaca), 16.2-30.5% (ShareGPT)",
-                 "beam": "37.6-55.2% (Alpaca), 44.3-66.3% (ShareGPT)"}
+                 "beam": "37.6-55.2% (Alpaca), 44.3-66.3% (ShareGPT)",
+                 "prefix": "throughput 1.67x (1-shot, 80 tokens) and 3.58x (5-shot, 341 tokens) that of Orca (Oracle), "
+                           "LLaMA-13B on WMT16 En-De (Figure 16)"}
 
 
 @dataclass
@@ -114,6 +116,7 @@ def _run(engine: LLMEngine, prompts: List[List[int]], params: List[SamplingParam
     stats = engine.get_stats()
     return {**ledger.result(), "wall_s": wall, "num_requests": len(prompts), "num_finished": finished,
             "output_tokens": tokens, "peak_used_blocks": stats.peak_used_blocks,
+            "peak_used_slots": stats.peak_used_blocks * stats.block_size,
             "copy_on_write": stats.num_copy_on_write, "preemptions": stats.num_preemptions,
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
             "cached_prefill_tokens": stats.num_cached_prefill_tokens, "prompt_tokens_total": sum(map(len, prompts)),
@@ -134,14 +137,16 @@ def run_branching(model, tokenizer, trace: Trace, config: SharingConfig) -> List
                       for r in trace.requests]
         engine = _engine(model, tokenizer, config)
         try:
-            rows.append({"kind": kind, "k": k, **_run(engine, prompts, params)})
+            rows.append({"kind": kind, "k": k, "system": "paged", **_run(engine, prompts, params)})
+            print(f"  {kind} {k}: {rows[-1]['saving']:.1%} of blocks saved", flush=True)
         finally:
             release(engine)
     return rows
 
 
 def run_prefix(model, tokenizer, trace: Trace, config: SharingConfig) -> List[dict]:
-    """Requests sharing a few-shot translation prefix, with and without the prefix cache."""
+    """Requests sharing a few-shot translation prefix: paged with and without the prefix cache, and the
+    oracle reservation baseline (the paper's Figure 16 compares against Orca (Oracle))."""
     rows = []
     for shots in config.prefix_shots:
         prefix = few_shot_prefix(shots)
@@ -149,14 +154,18 @@ def run_prefix(model, tokenizer, trace: Trace, config: SharingConfig) -> List[di
                    for sentence in _sentences(tokenizer, trace, config.prefix_requests)]
         prefix_len = len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=config.prefix_output_len)] * len(prompts)
-        for caching in (False, True):
-            engine = _engine(model, tokenizer, config, prefix_caching=caching)
+        for system, caching in (("paged", False), ("paged", True), ("oracle", False)):
+            if system == "oracle":
+                engine = build_engine(model, tokenizer, "oracle", config.kv_slots, max_model_len=MAX_TOTAL_TOKENS)
+            else:
+                engine = _engine(model, tokenizer, config, prefix_caching=caching)
             try:
                 row = _run(engine, prompts, params, warm_first=True)
             finally:
                 release(engine)
-            rows.append({"kind": "prefix", "k": shots, "prefix_tokens": prefix_len, "prefix_caching": caching,
-                         **row})
+            rows.append({"kind": "prefix", "k": shots, "system": system, "prefix_tokens": prefix_len,
+                         "prefix_caching": caching, **row})
+            print(f"  prefix {shots}-shot, {system}, cache {caching}: {row['wall_s']:.1f} s", flush=True)
     return rows
 
 
@@ -175,29 +184,40 @@ def run_sharing(config: SharingConfig) -> dict:
     rows = run_branching(model, tokenizer, branching_trace, config) + run_prefix(model, tokenizer, trace, config)
     for row in rows:
         if row["kind"] == "prefix" and row["prefix_caching"]:
-            plain = next(r for r in rows if r["kind"] == "prefix" and r["k"] == row["k"] and not r["prefix_caching"])
+            same = [r for r in rows if r["kind"] == "prefix" and r["k"] == row["k"] and not r["prefix_caching"]]
+            plain = next(r for r in same if r["system"] == "paged")
+            oracle = next(r for r in same if r["system"] == "oracle")
             row["speedup_vs_no_cache"] = plain["wall_s"] / row["wall_s"] if row["wall_s"] else None
+            row["speedup_vs_oracle"] = oracle["wall_s"] / row["wall_s"] if row["wall_s"] else None
             row["peak_blocks_saved"] = 1 - row["peak_used_blocks"] / plain["peak_used_blocks"]
     return {"benchmark": "sharing", "config": asdict(config), "trace": branching_trace.summary(),
             "conditions": conditions(threads=threads), "runs": rows, "paper_savings": PAPER_SAVINGS}
 
 
 def sharing_table(result: dict) -> str:
-    headers = ["case", "blocks saved (avg)", "saved at peak", "peak used blocks", "CoW copies", "cache hit",
-               "cached prefill", "wall s", "preempt"]
+    headers = ["case", "blocks saved (avg)", "saved at peak", "peak KV slots", "CoW copies", "cache hit",
+               "cached prefill", "wall s", "speedup", "preempt"]
     rows = []
     for r in result["runs"]:
         if r["kind"] == "prefix":
-            name = f"prefix {r['k']}-shot ({r['prefix_tokens']} tok), cache {'on' if r['prefix_caching'] else 'off'}"
+            setup = "reserve oracle" if r["system"] == "oracle" else f"cache {'on' if r['prefix_caching'] else 'off'}"
+            name = f"prefix {r['k']}-shot ({r['prefix_tokens']} tok), {setup}"
         else:
             name = f"{'parallel n' if r['kind'] == 'parallel' else 'beam width'}={r['k']}"
         cached = r["cached_prefill_tokens"] / r["prompt_tokens_total"] if r["prompt_tokens_total"] else 0.0
-        rows.append([name, percent(r["saving"]), percent(r["peak_saving"]), r["peak_used_blocks"], r["copy_on_write"],
-                     percent(r["prefix_cache_hit_rate"]), percent(cached), f"{r['wall_s']:.1f}", r["preemptions"]])
+        rows.append([name, percent(r["saving"]), percent(r["peak_saving"]), r["peak_used_slots"], r["copy_on_write"],
+                     percent(r["prefix_cache_hit_rate"]), percent(cached), f"{r['wall_s']:.1f}", _speedups(r),
+                     r["preemptions"]])
     trace = result["trace"]
     title = (f"KV sharing: {trace['num_requests']} {trace['name']} requests "
              f"({'synthetic' if trace['synthetic'] else 'recorded'} lengths), {result['config']['model']}")
     return format_table(headers, rows, title)
+
+
+def _speedups(row: dict) -> str:
+    if "speedup_vs_oracle" not in row:
+        return "-"
+    return f"{row['speedup_vs_no_cache']:.2f}x no-cache, {row['speedup_vs_oracle']:.2f}x oracle"
 
 
 def check_sharing(result: dict) -> List[str]:
@@ -211,7 +231,8 @@ def check_sharing(result: dict) -> List[str]:
         sharing = r["kind"] != "prefix" or r["prefix_caching"]
         if sharing and not r["saving"] > 0:
             problems.append(f"{name}: no blocks saved by sharing")
-        if r["kind"] == "prefix" and not r["prefix_caching"] and r["physical_block_steps"] != r["logical_block_steps"]:
+        if r["kind"] == "prefix" and not r["prefix_caching"] and r["system"] == "paged" \
+                and r["physical_block_steps"] != r["logical_block_steps"]:
             problems.append(f"{name}: blocks shared without the prefix cache")
         if r["kind"] == "prefix" and r["prefix_caching"] and not r["cached_prefill_tokens"]:
             problems.append(f"{name}: the prefix cache skipped no prefill")

@@ -26,8 +26,8 @@ PAPER_NOTE = ("paper Fig. 12a (ShareGPT, OPT-13B): vLLM sustains 1.7x-2.7x the r
 class ThroughputConfig:
     model: str = "smollm2"
     workload: str = "sharegpt"
-    num_requests: int = 32
-    kv_slots: int = 8192
+    num_requests: int = 16
+    kv_slots: int = 4096
     block_size: int = 16
     systems: Tuple[str, ...] = ENGINE_SYSTEMS + HF_SYSTEMS
     allocator: str = "first-fit"
@@ -68,6 +68,7 @@ def run_throughput(config: ThroughputConfig) -> dict:
         row = _run_system(system, model, tokenizer, trace, config)
         row.update(label=LABELS[system], load_before=load_before, load_after=load_average())
         runs.append(row)
+        print(f"  {LABELS[system]}: {row['output_tokens_per_s']:.1f} output tok/s, {row['wall_s']:.0f} s", flush=True)
     ours = next((r for r in runs if r["system"] == "paged"), None)
     for row in runs:
         row["paged_speedup"] = (ours["output_tokens_per_s"] / row["output_tokens_per_s"]

@@ -180,10 +180,11 @@ def test_quick_throughput_benchmark(tmp_path):
 
 def test_quick_sharing_benchmark(tmp_path):
     result = _bench("sharing", tmp_path)
-    by_case = {(r["kind"], r["k"], r.get("prefix_caching")): r for r in result["runs"]}
-    assert by_case[("beam", 4, None)]["saving"] > by_case[("parallel", 2, None)]["saving"] > 0
-    cached, plain = by_case[("prefix", 1, True)], by_case[("prefix", 1, False)]
+    by_case = {(r["kind"], r["k"], r["system"], r.get("prefix_caching")): r for r in result["runs"]}
+    assert by_case[("beam", 4, "paged", None)]["saving"] > by_case[("parallel", 2, "paged", None)]["saving"] > 0
+    cached, plain = by_case[("prefix", 1, "paged", True)], by_case[("prefix", 1, "paged", False)]
     assert cached["cached_prefill_tokens"] > 0 and cached["peak_used_blocks"] < plain["peak_used_blocks"]
+    assert by_case[("prefix", 1, "oracle", False)]["saving"] == 0  # a reservation shares nothing
     assert all(r["leaked_blocks"] == 0 and r["preemptions"] == 0 for r in result["runs"])
 
 
