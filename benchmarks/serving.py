@@ -31,9 +31,9 @@ PAPER_NOTE = ("paper Fig. 12 (OPT-13B): at the same normalized latency vLLM sust
 class ServingConfig:
     model: str = "smollm2"
     workload: str = "alpaca"
-    rates: Tuple[float, ...] = (0.5, 1.0, 2.0, 3.0)
+    rates: Tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 4.0)
     duration_s: float = 30.0
-    max_requests: int = 90
+    max_requests: int = 100
     drain_timeout_s: float = 180.0
     kv_slots: int = 1024
     block_size: int = 16
