@@ -10,9 +10,12 @@ so hypotheses and scores match it exactly. The engine maps the decisions onto fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 _BIG = -1.0e9
 
@@ -148,3 +151,29 @@ def group_children(decisions: List[BeamDecision], num_parents: int) -> List[List
     for position, decision in enumerate(decisions):
         children[decision.parent].append((position, decision))
     return children
+
+
+def apply_beam_decisions(live: List["Sequence"], decisions: List[BeamDecision], block_manager) -> List["Sequence"]:
+    """Map a step's decisions onto sequences: a parent continued by several beams is forked (its blocks
+    shared), the first continuation reuses the parent, and a parent nobody continues is freed at once.
+    Returns the new live beams in ranking order."""
+    new_live: List[Optional["Sequence"]] = [None] * len(decisions)
+    for parent, children in zip(live, group_children(decisions, len(live))):
+        if not children:
+            block_manager.free(parent)
+            continue
+        for position, decision in children[1:]:
+            child = parent.fork()
+            block_manager.fork(parent, child)
+            _extend(child, decision)
+            new_live[position] = child
+        position, decision = children[0]
+        _extend(parent, decision)
+        new_live[position] = parent
+    return [seq for seq in new_live if seq is not None]
+
+
+def _extend(seq: "Sequence", decision: BeamDecision) -> None:
+    seq.append_token(decision.token_id, decision.logprob)
+    seq.cumulative_logprob = decision.score
+    seq.beam_indices.append(decision.parent)

@@ -7,14 +7,15 @@ from typing import Dict, List, Optional, Sequence as Seq, Union
 
 import torch
 
-from .beam_search import BeamSearchState, group_children
+from .beam_search import BeamSearchState, apply_beam_decisions
 from .block_manager import BlockManager
 from .cache_engine import CacheEngine, KVGeometry, kv_geometry
 from .config import EngineConfig
 from .detokenizer import decode_new_text, find_stop_string
 from .metrics import Counters, EngineStats
 from .model_runner import ModelRunner, check_model_supported, prepare_inputs
-from .outputs import CompletionOutput, RequestOutput
+from .output_builder import OutputBuilder
+from .outputs import RequestOutput
 from .sampler import SampleRequest, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -73,6 +74,7 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed)
         self.groups: Dict[str, SequenceGroup] = {}
         self.counters = Counters()
+        self.outputs = OutputBuilder(self.tokenizer, self._stop_ids)
 
     # ---- construction ------------------------------------------------------------------------
     @staticmethod
@@ -208,7 +210,7 @@ class LLMEngine:
             if group.request_id in seen or group.request_id not in self.groups:
                 continue
             seen.add(group.request_id)
-            outputs.append(self._finalize(group) if group.request_id in finished else self._output(group))
+            outputs.append(self._finalize(group) if group.request_id in finished else self.outputs.build(group))
         return outputs
 
     def _process(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
@@ -325,81 +327,9 @@ class LLMEngine:
             for seq in live:
                 seq.status = SequenceStatus.FINISHED_STOPPED
             return
-        new_live: List[Optional[Sequence]] = [None] * len(decisions)
-        for parent, children in zip(live, group_children(decisions, len(live))):
-            if not children:
-                self.block_manager.free(parent)
-                group.seqs.remove(parent)
-                continue
-            for position, decision in children[1:]:
-                child = parent.fork()
-                self.block_manager.fork(parent, child)
-                child.append_token(decision.token_id, decision.logprob)
-                child.cumulative_logprob = decision.score
-                child.beam_indices.append(decision.parent)
-                new_live[position] = child
-            position, decision = children[0]
-            parent.append_token(decision.token_id, decision.logprob)
-            parent.cumulative_logprob = decision.score
-            parent.beam_indices.append(decision.parent)
-            new_live[position] = parent
-        group.seqs = [seq for seq in new_live if seq is not None]
+        group.seqs = apply_beam_decisions(live, decisions, self.block_manager)
 
     # ---- outputs -----------------------------------------------------------------------------
-    def _completion(self, index: int, seq: Sequence, params: SamplingParams) -> CompletionOutput:
-        return CompletionOutput(
-            index=index, text=seq.output_text, token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-            finish_reason=seq.status.value if seq.is_finished() else None, stop_reason=seq.stop_reason,
-            scores=[scores for _, scores in seq.output_scores] if params.output_scores else None,
-            logits=[logits for logits, _ in seq.output_scores] if params.output_scores else None)
-
-    def _beam_completions(self, group: SequenceGroup, final: bool) -> List[CompletionOutput]:
-        params = group.sampling_params
-        state: BeamSearchState = group.beam_state
-        outputs = []
-        if final and group.error is None and not any(s.status == SequenceStatus.FINISHED_ABORTED
-                                                     for s in group.seqs):
-            for i, hyp in enumerate(state.best(params.n)):
-                text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=params.skip_special_tokens) \
-                    if self.tokenizer is not None else ""
-                ended_by_eos = bool(hyp.token_ids) and hyp.token_ids[-1] in set(self._stop_ids(params))
-                outputs.append(CompletionOutput(i, text, hyp.token_ids, hyp.sum_logprob,
-                                                finish_reason="stop" if ended_by_eos else "length",
-                                                beam_score=hyp.score, beam_indices=list(hyp.beam_indices)))
-            return outputs
-        for i, seq in enumerate(group.seqs[: params.n]):
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens) \
-                if self.tokenizer is not None else ""
-            outputs.append(CompletionOutput(i, text, seq.output_token_ids, seq.cumulative_logprob,
-                                            finish_reason="abort" if final else None,
-                                            beam_indices=list(seq.beam_indices)))
-        return outputs
-
-    def _completions(self, group: SequenceGroup, final: bool) -> List[CompletionOutput]:
-        params = group.sampling_params
-        if params.use_beam_search:
-            return self._beam_completions(group, final)
-        seqs = group.seqs
-        if final and params.best_of > params.n and len(seqs) > params.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        else:
-            seqs = seqs[: params.n]
-        return [self._completion(i, seq, params) for i, seq in enumerate(seqs)]
-
-    def _output(self, group: SequenceGroup, final: bool = False) -> RequestOutput:
-        m = group.metrics
-        state: Optional[BeamSearchState] = group.beam_state
-        recorded = state is not None and state.record_scores
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             self._completions(group, final), final, group.error,
-                             {"arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
-                              "first_token_time": m.first_token_time, "last_token_time": m.last_token_time,
-                              "finished_time": m.finished_time},
-                             step_scores=list(state.step_scores) if recorded else None,
-                             step_logits=list(state.step_logits) if recorded else None)
-
     def _finalize(self, group: SequenceGroup) -> RequestOutput:
         """The last output of a finished, aborted or failed request; forgets it."""
         group.metrics.finished_time = time.monotonic()
@@ -408,7 +338,7 @@ class LLMEngine:
             self.counters.num_requests_failed += 1
         else:
             self.counters.num_requests_finished += 1
-        return self._output(group, final=True)
+        return self.outputs.build(group, final=True)
 
     # ---- statistics --------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
