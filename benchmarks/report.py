@@ -28,18 +28,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     return "\n".join(lines)
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """The same table in GitHub markdown (for docs)."""
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
-        return str(value)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def load_average() -> List[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
