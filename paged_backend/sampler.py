@@ -129,28 +129,30 @@ class Sampler:
     def _draw(self, scores: torch.Tensor, requests: List[SampleRequest]) -> Dict[int, List[int]]:
         """Random draws for sampled rows, seeded rows from their own generator.
 
-        Uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
-        p_i, and is much cheaper than torch.multinomial over a large vocabulary.
+        Inverse-CDF sampling: one uniform number per draw against the row's cumulative probabilities
+        (in float64, so that rare tokens keep their exact share); far cheaper on a large vocabulary than
+        torch.multinomial, which spends tens of milliseconds per step on the CPU.
         """
         drawn: Dict[int, List[int]] = {}
         sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if not sampled:
             return drawn
-        probs = scores[sampled].softmax(-1).cpu()
+        cdf = scores[sampled].softmax(-1).to("cpu", torch.float64).cumsum(-1)
+        last = cdf.shape[1] - 1
         shared = [row for row, i in enumerate(sampled) if requests[i].generator is None
                   and requests[i].num_samples == 1]
         if shared:
-            rows = probs[shared]
-            noise = torch.empty_like(rows).exponential_(generator=self.generator)
-            for row, token in zip(shared, (rows / noise).argmax(-1).tolist()):
+            rows = cdf[shared]
+            u = torch.rand(len(shared), 1, generator=self.generator, dtype=torch.float64) * rows[:, -1:]
+            tokens = torch.searchsorted(rows, u, right=True).clamp_(max=last)
+            for row, token in zip(shared, tokens[:, 0].tolist()):
                 drawn[sampled[row]] = [token]
         for row, i in enumerate(sampled):
             if i in drawn:
                 continue
             req = requests[i]
-            row_probs = probs[row].expand(req.num_samples, -1)
-            noise = torch.empty_like(row_probs).exponential_(generator=req.generator or self.generator)
-            drawn[i] = (row_probs / noise).argmax(-1).tolist()
+            u = torch.rand(req.num_samples, generator=req.generator or self.generator, dtype=torch.float64)
+            drawn[i] = torch.searchsorted(cdf[row], u * cdf[row, -1], right=True).clamp_(max=last).tolist()
         return drawn
 
     @staticmethod
