@@ -207,7 +207,8 @@ def sampling_params(resolved: ResolvedConfig, input_len: int, eos_ids: Optional[
     common = dict(n=resolved.num_return_sequences, max_tokens=max_tokens,
                   min_tokens=min(min_new_tokens(config, input_len, eos_ids), max_tokens),
                   repetition_penalty=float(config.repetition_penalty or 1.0),
-                  stop_token_ids=list(eos_ids or []), ignore_eos=True, output_scores=output_scores)
+                  stop_token_ids=list(eos_ids or []), ignore_eos=True, output_scores=output_scores,
+                  detokenize=False)  # stop strings are matched on token ids, as transformers does
     if resolved.use_beam_search:
         return SamplingParams(temperature=0.0, beam_width=config.num_beams,
                               length_penalty=float(config.length_penalty), early_stopping=config.early_stopping,

@@ -263,7 +263,7 @@ class LLMEngine:
         if result.scores is not None:
             seq.output_scores.append((result.logits, result.scores))
         self._note_token(group)
-        new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens)
+        new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens) if params.detokenize else ""
         self._check_stop(group, seq, new_text)
 
     def _note_token(self, group: SequenceGroup) -> None:

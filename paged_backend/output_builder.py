@@ -52,7 +52,7 @@ class OutputBuilder:
             logits=[logits for logits, _ in seq.output_scores] if params.output_scores else None)
 
     def _decode(self, token_ids: List[int], params: SamplingParams) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or not params.detokenize:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 

@@ -100,18 +100,25 @@ class Sampler:
         raw = logits.to(torch.float32)
         keep_raw = any(r.params.output_scores for r in requests)
         scores = process_logits(raw.clone() if keep_raw else raw, requests)
-        logprobs = torch.log_softmax(scores, dim=-1)
-        greedy_tokens = scores.argmax(dim=-1)
-        chosen = self._draw(scores, requests)
-        results = []
+        tokens = self._draw(scores, requests)
+        greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        if greedy:
+            best = (scores if len(greedy) == len(requests) else scores[greedy]).argmax(dim=-1).tolist()
+            for i, token in zip(greedy, best):
+                tokens[i] = [token] * requests[i].num_samples
+        logprobs = torch.log_softmax(scores, dim=-1)  # (faster on the CPU than torch.logsumexp alone)
+        rows = torch.tensor([i for i in range(len(requests)) for _ in tokens[i]], device=scores.device)
+        picked = torch.tensor([t for i in range(len(requests)) for t in tokens[i]], device=scores.device)
+        flat_lps = logprobs[rows, picked].tolist()
+        results, start = [], 0
         for i, req in enumerate(requests):
-            tokens = [int(greedy_tokens[i])] * req.num_samples if req.params.is_greedy else chosen[i]
-            row = logprobs[i]
-            token_lps = row[tokens].tolist()
+            token_lps = flat_lps[start:start + len(tokens[i])]
+            start += len(tokens[i])
             top = None
             if req.params.logprobs is not None:
-                top = [self._top_logprobs(row, t, lp, req.params.logprobs) for t, lp in zip(tokens, token_lps)]
-            result = SampleResult(tokens, token_lps, top)
+                top = [self._top_logprobs(logprobs[i], t, lp, req.params.logprobs)
+                       for t, lp in zip(tokens[i], token_lps)]
+            result = SampleResult(tokens[i], token_lps, top)
             if req.params.output_scores:
                 result.scores, result.logits = scores[i].clone(), raw[i].clone()
             results.append(result)

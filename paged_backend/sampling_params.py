@@ -42,6 +42,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    detokenize: bool = True          # False: outputs carry token ids only (no text, no stop strings)
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: Union[bool, str] = False
@@ -95,6 +96,8 @@ class SamplingParams:
     def _check_stops(self) -> None:
         if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if self.stop_strings and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched on the text)")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 

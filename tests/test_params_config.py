@@ -29,6 +29,7 @@ from paged_backend.sampling_params import SamplingParams
     (dict(early_stopping="sometimes"), "early_stopping"),
     (dict(n=2, temperature=0), "needs sampling"),
     (dict(seed="x"), "seed"),
+    (dict(stop="x", detokenize=False), "stop strings need detokenize=True"),
     (dict(max_tokens=2.5), "max_tokens"),
 ])
 def test_invalid_sampling_params_raise(kwargs, message):

@@ -185,3 +185,13 @@ def test_best_of_returns_the_most_likely_samples():
                                                        ignore_eos=True, seed=3), use_tqdm=False)[0]
     assert len(out.outputs) == 2
     assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+
+
+def test_detokenize_off_keeps_tokens_and_skips_text():
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with_text = make_llm().generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    ids_only = make_llm().generate([PROMPT], params.replace(detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert ids_only.token_ids == with_text.token_ids and ids_only.text == "" and with_text.text
+    beams = make_llm().generate([PROMPT], SamplingParams(beam_width=2, temperature=0, max_tokens=4,
+                                                         detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert beams.text == "" and len(beams.token_ids) == 4
