@@ -1,0 +1,44 @@
+"""The distribution: a built wheel maps adapters/ and kernels/ into paged_backend and imports on its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["paged_backend", "paged_backend.block", "paged_backend.kernels", "paged_backend.kernels.reference",
+           "paged_backend.adapters.hf", "paged_backend.adapters.http.app", "paged_backend.adapters.triton.repo",
+           "paged_backend.benchmarks.cli", "paged_backend.cli"]
+
+
+def test_wheel_contains_and_imports_every_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, timeout=600, cwd=tmp_path)
+    [wheel] = (tmp_path / "dist").glob("paged_backend-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for path in ("paged_backend/kernels/triton_attention.py", "paged_backend/adapters/http/tgi.py",
+                 "paged_backend/adapters/triton/model.py", "paged_backend/benchmarks/waste.py"):
+        assert path in names
+    assert not any(n.startswith(("adapters/", "kernels/", "tests/")) for n in names)
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "paged-backend = paged_backend.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, timeout=600)
+    code = ("import importlib, sys; mods = sys.argv[1:]; "
+            "files = [importlib.import_module(m).__file__ for m in mods]; print('\\n'.join(files))")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-c", code, *MODULES], check=True, capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=300).stdout.split()
+    assert len(out) == len(MODULES) and all(f.startswith(str(site)) for f in out), out
+
+
+def test_editable_install_maps_the_top_level_folders():
+    import paged_backend.adapters
+    import paged_backend.kernels
+
+    assert Path(paged_backend.kernels.__file__).parent == ROOT / "kernels"
+    assert Path(paged_backend.adapters.__file__).parent == ROOT / "adapters"
