@@ -83,12 +83,12 @@ def _largest_run(bm) -> int:
     return bm.get_num_free_blocks()  # paged: any free blocks will do
 
 
-class MemoryLedger:
-    """Attach to an engine before its requests run; `tally` accumulates every scheduled step."""
+class StepObserver:
+    """Wraps an engine's `scheduler.schedule` so that `record()` runs after every step that schedules
+    work (the moment a step holds the most blocks); `detach()` restores it. The engine runs unchanged."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.tally = KVTally()
         self._schedule = engine.scheduler.schedule
         engine.scheduler.schedule = self._schedule_and_record
 
@@ -100,6 +100,17 @@ class MemoryLedger:
         if out.scheduled:
             self.record()
         return out
+
+    def record(self) -> None:
+        raise NotImplementedError
+
+
+class MemoryLedger(StepObserver):
+    """Attach to an engine before its requests run; `tally` accumulates every scheduled step."""
+
+    def __init__(self, engine) -> None:
+        self.tally = KVTally()
+        super().__init__(engine)
 
     def record(self) -> None:
         engine = self.engine

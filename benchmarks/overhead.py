@@ -172,15 +172,9 @@ def check_overhead(result: dict) -> List[str]:
 
 
 def main(config: OverheadConfig, out_dir, plot: bool = True) -> dict:
+    """Run, print the table, write overhead.json and overhead.png under `out_dir`."""
     from .plots import plot_overhead
-    from .report import write_json
+    from .report import run_and_report
 
-    start = time.perf_counter()
-    result = run_overhead(config)
-    result["elapsed_s"] = time.perf_counter() - start
-    result["problems"] = check_overhead(result)
-    print(overhead_table(result))
-    write_json(out_dir / "overhead.json", result)
-    if plot:
-        plot_overhead(result, out_dir / "overhead.png")
-    return result
+    return run_and_report("overhead", lambda: run_overhead(config), check_overhead, overhead_table,
+                          plot_overhead if plot else None, out_dir)

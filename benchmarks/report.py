@@ -7,7 +7,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -55,3 +55,18 @@ def write_json(path: Path, data: Dict[str, Any]) -> Path:
 
 def percent(x: float) -> str:
     return f"{100 * x:.1f}%"
+
+
+def run_and_report(name: str, run: Callable[[], Dict[str, Any]], check: Callable[[Dict[str, Any]], List[str]],
+                   table: Callable[[Dict[str, Any]], str], plot: Optional[Callable[[Dict[str, Any], Path], Any]],
+                   out_dir: Path) -> Dict[str, Any]:
+    """Run a benchmark, check its invariants, print its table, write NAME.json and (if `plot`) NAME.png."""
+    start = time.perf_counter()
+    result = run()
+    result["elapsed_s"] = time.perf_counter() - start
+    result["problems"] = check(result)
+    print(table(result))
+    write_json(out_dir / f"{name}.json", result)
+    if plot is not None:
+        plot(result, out_dir / f"{name}.png")
+    return result

@@ -193,15 +193,9 @@ def check_serving(result: dict) -> List[str]:
 
 
 def main(config: ServingConfig, out_dir, plot: bool = True) -> dict:
+    """Run, print the table, write serving.json and serving.png under `out_dir`."""
     from .plots import plot_serving
-    from .report import write_json
+    from .report import run_and_report
 
-    start = time.perf_counter()
-    result = run_serving(config)
-    result["elapsed_s"] = time.perf_counter() - start
-    result["problems"] = check_serving(result)
-    print(serving_table(result))
-    write_json(out_dir / "serving.json", result)
-    if plot:
-        plot_serving(result, out_dir / "serving.png")
-    return result
+    return run_and_report("serving", lambda: run_serving(config), check_serving, serving_table,
+                          plot_serving if plot else None, out_dir)

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
+from .accounting import StepObserver
 from .engine_runs import build_engine, leaked_blocks, load_bench_model, release, set_threads
 from .report import conditions, format_table, percent
 from .translation import few_shot_prefix
@@ -47,32 +48,24 @@ QUICK = {"model": "tiny-llama", "num_requests": 4, "parallel_n": (2, 4), "beam_w
          "prefix_shots": (1,), "prefix_requests": 6, "prefix_output_len": 8, "kv_slots": 8192}
 
 
-class SharingLedger:
+class SharingLedger(StepObserver):
     """Per step: blocks the running sequences' tables span (logical) and distinct blocks they hold (physical)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
         self.logical = self.physical = self.peak_logical = self.peak_physical = self.steps = 0
-        self._schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = self._schedule_and_record
+        super().__init__(engine)
 
-    def detach(self) -> None:
-        self.engine.scheduler.schedule = self._schedule
-
-    def _schedule_and_record(self):
-        out = self._schedule()
-        if out.scheduled:
-            tables = self.engine.block_manager.block_tables
-            held = [tables[s.seq_id] for g in self.engine.scheduler.running
-                    for s in g.unfinished_seqs() if s.seq_id in tables]
-            logical = sum(len(t) for t in held)
-            physical = len({b for t in held for b in t})
-            self.logical += logical
-            self.physical += physical
-            self.peak_logical = max(self.peak_logical, logical)
-            self.peak_physical = max(self.peak_physical, physical)
-            self.steps += 1
-        return out
+    def record(self) -> None:
+        tables = self.engine.block_manager.block_tables
+        held = [tables[s.seq_id] for g in self.engine.scheduler.running
+                for s in g.unfinished_seqs() if s.seq_id in tables]
+        logical = sum(len(t) for t in held)
+        physical = len({b for t in held for b in t})
+        self.logical += logical
+        self.physical += physical
+        self.peak_logical = max(self.peak_logical, logical)
+        self.peak_physical = max(self.peak_physical, physical)
+        self.steps += 1
 
     def result(self) -> dict:
         return {"logical_block_steps": self.logical, "physical_block_steps": self.physical,
@@ -240,15 +233,9 @@ def check_sharing(result: dict) -> List[str]:
 
 
 def main(config: SharingConfig, out_dir, plot: bool = True) -> dict:
+    """Run, print the table, write sharing.json and sharing.png under `out_dir`."""
     from .plots import plot_sharing
-    from .report import write_json
+    from .report import run_and_report
 
-    start = time.perf_counter()
-    result = run_sharing(config)
-    result["elapsed_s"] = time.perf_counter() - start
-    result["problems"] = check_sharing(result)
-    print(sharing_table(result))
-    write_json(out_dir / "sharing.json", result)
-    if plot:
-        plot_sharing(result, out_dir / "sharing.png")
-    return result
+    return run_and_report("sharing", lambda: run_sharing(config), check_sharing, sharing_table,
+                          plot_sharing if plot else None, out_dir)

@@ -5,7 +5,6 @@ our paged engine, the reservation baselines (same engine, contiguous reservation
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
@@ -110,15 +109,9 @@ def check_throughput(result: dict) -> List[str]:
 
 
 def main(config: ThroughputConfig, out_dir, plot: bool = True) -> dict:
+    """Run, print the table, write throughput.json and throughput.png under `out_dir`."""
     from .plots import plot_throughput
-    from .report import write_json
+    from .report import run_and_report
 
-    start = time.perf_counter()
-    result = run_throughput(config)
-    result["elapsed_s"] = time.perf_counter() - start
-    result["problems"] = check_throughput(result)
-    print(throughput_table(result))
-    write_json(out_dir / "throughput.json", result)
-    if plot:
-        plot_throughput(result, out_dir / "throughput.png")
-    return result
+    return run_and_report("throughput", lambda: run_throughput(config), check_throughput, throughput_table,
+                          plot_throughput if plot else None, out_dir)

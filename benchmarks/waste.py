@@ -8,7 +8,6 @@ this lets a 500-request trace run in minutes); `--forward` runs the real model i
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -126,14 +125,7 @@ def check_waste(result: dict) -> List[str]:
 def main(config: WasteConfig, out_dir, plot: bool = True) -> dict:
     """Run, print the table, write waste.json and waste.png under `out_dir`."""
     from .plots import plot_waste
-    from .report import write_json
+    from .report import run_and_report
 
-    start = time.perf_counter()
-    result = run_waste(config)
-    result["elapsed_s"] = time.perf_counter() - start
-    result["problems"] = check_waste(result)
-    print(waste_table(result))
-    write_json(out_dir / "waste.json", result)
-    if plot:
-        plot_waste(result, out_dir / "waste.png")
-    return result
+    return run_and_report("waste", lambda: run_waste(config), check_waste, waste_table,
+                          plot_waste if plot else None, out_dir)
