@@ -39,3 +39,13 @@ def assert_no_leaks(engine) -> None:
     assert stats.num_free_swap_blocks == stats.num_swap_blocks, stats
     bm = engine.block_manager
     assert not bm.block_tables and not bm.swapped_tables
+
+
+def run_to_completion(engine) -> dict:
+    """Step an LLMEngine until it is idle; the final output of every request, by request id."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals

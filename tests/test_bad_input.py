@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import LLM, LLMEngine, SamplingParams
 
 
@@ -12,15 +12,6 @@ from paged_backend import LLM, LLMEngine, SamplingParams
 def engine():
     model, tok = get_model("tiny-llama")
     return LLMEngine(model, tokenizer=tok, num_blocks=8, block_size=4, max_num_seqs=4)
-
-
-def run_all(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -36,7 +27,7 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(engine, prompt, me
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", prompt, SamplingParams(max_tokens=3))
     engine.add_request("good-2", "General Kenobi", SamplingParams(temperature=0, max_tokens=3))
-    done = run_all(engine)
+    done = run_to_completion(engine)
     assert sorted(done) == ["good-1", "good-2"]
     assert all(len(o.outputs[0].token_ids) == 3 for o in done.values())
     assert_no_leaks(engine)
@@ -55,7 +46,7 @@ def test_other_refusals(engine):
         LLMEngine(model, num_blocks=4, max_model_len=10**6)
     with pytest.raises(ValueError, match="unknown model"):
         LLM("no-such-model")
-    run_all(engine)
+    run_to_completion(engine)
     assert_no_leaks(engine)
 
 
@@ -65,7 +56,7 @@ def test_prompt_too_long_for_the_model_context():
     with pytest.raises(ValueError, match="the model's context is 16 tokens"):
         engine.add_request("long", list(range(3, 19)), SamplingParams(max_tokens=1))
     engine.add_request("fits", list(range(3, 13)), SamplingParams(temperature=0, ignore_eos=True))
-    out = run_all(engine)["fits"].outputs[0]
+    out = run_to_completion(engine)["fits"].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 6  # stopped at the context limit
 
 
@@ -73,7 +64,7 @@ def test_request_that_outgrows_the_cache_fails_alone(engine):
     """A request whose output can never fit fails with an error; the others finish."""
     engine.add_request("greedy-hog", "a b c d e f g h", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     engine.add_request("small", "Hi", SamplingParams(temperature=0, max_tokens=2))
-    done = run_all(engine)
+    done = run_to_completion(engine)
     hog = done["greedy-hog"]
     assert hog.error and "even running alone" in hog.error and hog.outputs[0].finish_reason == "abort"
     assert done["small"].error is None and len(done["small"].outputs[0].token_ids) == 2
@@ -84,7 +75,7 @@ def test_request_that_outgrows_the_cache_fails_alone(engine):
 def test_abort_unknown_and_finished_requests_is_harmless(engine):
     assert engine.abort_request("never-seen") == []
     engine.add_request("a", "Hi", SamplingParams(max_tokens=2))
-    run_all(engine)
+    run_to_completion(engine)
     assert engine.abort_request("a") == []
     assert_no_leaks(engine)
 

@@ -6,17 +6,8 @@ import weakref
 
 import torch
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import LLMEngine, SamplingParams
-
-
-def _run(engine):
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 def test_sampled_tokens_come_with_their_scores_and_logits():
@@ -28,7 +19,7 @@ def test_sampled_tokens_come_with_their_scores_and_logits():
     engine.add_request("sampled", prompt, SamplingParams(n=2, temperature=0.8, top_k=5, max_tokens=4, seed=3,
                                                          output_scores=True))
     engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=3))
-    finals = _run(engine)
+    finals = run_to_completion(engine)
     greedy = finals["greedy"].outputs[0]
     assert len(greedy.scores) == len(greedy.logits) == len(greedy.token_ids) == 5
     assert [int(s.argmax()) for s in greedy.scores] == greedy.token_ids
@@ -51,7 +42,7 @@ def test_beam_search_records_live_beam_scores_and_paths():
     prompt = tok("Beams keep their history").input_ids
     engine.add_request("beam", prompt, SamplingParams(beam_width=3, n=3, temperature=0, max_tokens=6,
                                                       output_scores=True, length_penalty=0.0))
-    out = _run(engine)["beam"]
+    out = run_to_completion(engine)["beam"]
     assert [s.shape[0] for s in out.step_scores] == [1] + [3] * (len(out.step_scores) - 1)
     assert len(out.step_logits) == len(out.step_scores)
     for completion in out.outputs:
