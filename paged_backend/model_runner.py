@@ -140,7 +140,9 @@ class ModelRunner:
             slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, context_lens=inputs.context_lens,
             query_start_loc=inputs.query_start_loc, block_size=self.cache_engine.block_size,
             kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of)
-        with torch.inference_mode(), attention_context(metadata), self._paged_attention():
+        # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
+        # inference tensors forbid outside inference mode.
+        with torch.no_grad(), attention_context(metadata), self._paged_attention():
             output = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.positions[None],
                                 use_cache=False, logits_to_keep=inputs.sample_indices)
         return output.logits[0]

@@ -26,6 +26,12 @@ def get_model(name: str, dtype: torch.dtype = torch.float64):
     return _cache[key]
 
 
+@pytest.fixture(params=[torch.float32, torch.float64], ids=["fp32", "fp64"])
+def dtype(request) -> torch.dtype:
+    """The dtype axis: float32 is what users run, float64 what exact comparisons with transformers need."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     return get_model("smollm2", torch.float32)

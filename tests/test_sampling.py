@@ -13,20 +13,35 @@ from paged_backend import LLM, SamplingParams
 PROMPT = "Once upon a time in a land far away, there was a small village where"
 
 
-def make_llm(name="tiny-llama", **options):
-    model, tok = get_model(name)
+def make_llm(name="tiny-llama", *, dtype, **options):
+    model, tok = get_model(name, dtype)
     options.setdefault("num_blocks", 128)
     return LLM(model, tokenizer=tok, **options)
 
 
-def test_parallel_samples_share_prompt_blocks():
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=50),
+    SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(repetition_penalty=1.3),
+    SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=-0.5),
+    SamplingParams(temperature=1.0, min_tokens=3, n=2), SamplingParams(temperature=0, repetition_penalty=1.1),
+], ids=["top_p", "top_k", "min_p", "repetition", "presence", "frequency", "min_tokens", "greedy_penalty"])
+def test_ordinary_settings_generate(params, dtype):
+    """Every ordinary setting runs to completion in both dtypes (float32 once crashed on in-place edits)."""
+    llm = make_llm(dtype=dtype)
+    out = llm.generate([PROMPT, "Hi"], params.replace(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(o.error is None and all(len(c.token_ids) == 6 for c in o.outputs) for o in out)
+    assert_no_leaks(llm.engine)
+
+
+def test_parallel_samples_share_prompt_blocks(dtype):
     prompt = PROMPT + " the"
-    assert len(get_model("tiny-llama")[1](prompt).input_ids) % 8  # a partly filled last block to copy on write
-    shared = make_llm(block_size=8)
+    # a partly filled last block to copy on write
+    assert len(get_model("tiny-llama", dtype)[1](prompt).input_ids) % 8
+    shared = make_llm(block_size=8, dtype=dtype)
     out = shared.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True, seed=1),
                           use_tqdm=False)[0]
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 12 for c in out.outputs)
-    separate = make_llm(block_size=8)
+    separate = make_llm(block_size=8, dtype=dtype)
     separate.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1),
                       use_tqdm=False)
     assert shared.get_stats().peak_used_blocks < separate.get_stats().peak_used_blocks
@@ -34,22 +49,22 @@ def test_parallel_samples_share_prompt_blocks():
     assert_no_leaks(shared.engine)
 
 
-def test_seeded_sampling_is_reproducible_whatever_the_batch():
+def test_seeded_sampling_is_reproducible_whatever_the_batch(dtype):
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
-    alone = make_llm().generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    alone = make_llm(dtype=dtype).generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.2, max_tokens=15, ignore_eos=True)
-    batch = make_llm(seed=99).generate(["Hello", PROMPT, "Another prompt"], [others, params, others],
+    batch = make_llm(seed=99, dtype=dtype).generate(["Hello", PROMPT, "Another prompt"], [others, params, others],
                                        use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
-    n_out = make_llm().generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
-    n_again = make_llm().generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
+    n_out = make_llm(dtype=dtype).generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
+    n_again = make_llm(dtype=dtype).generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
     assert [c.token_ids for c in n_out.outputs] == [c.token_ids for c in n_again.outputs]
 
 
-def test_top_k_one_equals_greedy():
-    greedy = make_llm().generate([PROMPT, "Hi"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                                 use_tqdm=False)
-    top1 = make_llm().generate([PROMPT, "Hi"], SamplingParams(temperature=1.3, top_k=1, max_tokens=10,
+def test_top_k_one_equals_greedy(dtype):
+    greedy = make_llm(dtype=dtype).generate([PROMPT, "Hi"], SamplingParams(temperature=0, max_tokens=10,
+                                                                          ignore_eos=True), use_tqdm=False)
+    top1 = make_llm(dtype=dtype).generate([PROMPT, "Hi"], SamplingParams(temperature=1.3, top_k=1, max_tokens=10,
                                                               ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
@@ -63,10 +78,10 @@ def _first_token_probs(model, tok, prompt, top_k, temperature):
 
 
 @pytest.mark.parametrize("top_k, temperature", [(6, 1.0), (4, 0.5)])
-def test_first_token_frequencies_match_softmax(top_k, temperature):
-    model, tok = get_model("tiny-llama")
+def test_first_token_frequencies_match_softmax(top_k, temperature, dtype):
+    model, tok = get_model("tiny-llama", dtype)
     expected = _first_token_probs(model, tok, PROMPT, top_k, temperature)
-    llm = make_llm(max_num_seqs=256, seed=7)
+    llm = make_llm(max_num_seqs=256, seed=7, dtype=dtype)
     draws = 2000
     params = SamplingParams(n=200, temperature=temperature, top_k=top_k, max_tokens=1)
     outs = llm.generate([PROMPT] * (draws // 200), params, use_tqdm=False)
@@ -80,8 +95,8 @@ def test_first_token_frequencies_match_softmax(top_k, temperature):
     assert_no_leaks(llm.engine)
 
 
-def test_top_p_and_min_p_keep_only_the_nucleus():
-    model, tok = get_model("tiny-llama")
+def test_top_p_and_min_p_keep_only_the_nucleus(dtype):
+    model, tok = get_model("tiny-llama", dtype)
     probs = _first_token_probs(model, tok, PROMPT, len(tok), 1.0)
     ranked = sorted(probs.items(), key=lambda kv: -kv[1])
     nucleus, total = set(), 0.0
@@ -90,17 +105,19 @@ def test_top_p_and_min_p_keep_only_the_nucleus():
         total += p
         if total >= 0.3:
             break
-    outs = make_llm().generate([PROMPT] * 5, SamplingParams(n=40, top_p=0.3, max_tokens=1), use_tqdm=False)
+    outs = make_llm(dtype=dtype).generate([PROMPT] * 5, SamplingParams(n=40, top_p=0.3, max_tokens=1),
+                                          use_tqdm=False)
     assert {c.token_ids[0] for o in outs for c in o.outputs} <= nucleus
     top_prob = ranked[0][1]
     allowed = {t for t, p in probs.items() if p >= 0.5 * top_prob}
-    outs = make_llm().generate([PROMPT] * 5, SamplingParams(n=40, min_p=0.5, max_tokens=1), use_tqdm=False)
+    outs = make_llm(dtype=dtype).generate([PROMPT] * 5, SamplingParams(n=40, min_p=0.5, max_tokens=1),
+                                          use_tqdm=False)
     assert {c.token_ids[0] for o in outs for c in o.outputs} <= allowed
 
 
-def test_repetition_penalty_matches_hf():
-    model, tok = get_model("tiny-gpt2")
-    llm = make_llm("tiny-gpt2")
+def test_repetition_penalty_matches_hf(dtype):
+    model, tok = get_model("tiny-gpt2", dtype)
+    llm = make_llm("tiny-gpt2", dtype=dtype)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16,
                                                 ignore_eos=True), use_tqdm=False)[0]
     ids = tok(PROMPT, return_tensors="pt")
@@ -108,8 +125,8 @@ def test_repetition_penalty_matches_hf():
     assert out.outputs[0].token_ids == ref[0, ids.input_ids.shape[1]:].tolist()
 
 
-def test_frequency_and_presence_penalties_discourage_repeats():
-    llm = make_llm("tiny-opt")
+def test_frequency_and_presence_penalties_discourage_repeats(dtype):
+    llm = make_llm("tiny-opt", dtype=dtype)
     plain = llm.generate(["1 1 1 1"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0].token_ids
     assert len(set(plain)) < len(plain)  # the tiny model repeats itself
@@ -119,8 +136,8 @@ def test_frequency_and_presence_penalties_discourage_repeats():
     assert len(set(penalized)) > len(set(plain))
 
 
-def test_stop_strings_and_stop_tokens():
-    llm = make_llm()
+def test_stop_strings_and_stop_tokens(dtype):
+    llm = make_llm(dtype=dtype)
     free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     stop = free.text[6:10]
@@ -138,8 +155,8 @@ def test_stop_strings_and_stop_tokens():
     assert_no_leaks(llm.engine)
 
 
-def test_min_tokens_masks_stop_tokens_and_max_tokens_limits():
-    llm = make_llm()
+def test_min_tokens_masks_stop_tokens_and_max_tokens_limits(dtype):
+    llm = make_llm(dtype=dtype)
     free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 5
@@ -152,9 +169,9 @@ def test_min_tokens_masks_stop_tokens_and_max_tokens_limits():
     assert held.token_ids[0] != first and len(held.token_ids) >= 2
 
 
-def test_eos_stops_unless_ignored():
-    model, tok = get_model("tiny-llama")
-    llm = make_llm()
+def test_eos_stops_unless_ignored(dtype):
+    model, tok = get_model("tiny-llama", dtype)
+    llm = make_llm(dtype=dtype)
     free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     llm.engine.eos_token_ids = [free.token_ids[1]]  # pretend the second token is EOS
@@ -165,10 +182,10 @@ def test_eos_stops_unless_ignored():
     assert out.token_ids == free.token_ids
 
 
-def test_logprobs_are_log_softmax_of_the_step():
-    model, tok = get_model("tiny-llama")
-    out = make_llm().generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0]
+def test_logprobs_are_log_softmax_of_the_step(dtype):
+    model, tok = get_model("tiny-llama", dtype)
+    out = make_llm(dtype=dtype).generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=4,
+                                                                 ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 3 and all(len(d) == 4 for d in out.logprobs)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -180,18 +197,19 @@ def test_logprobs_are_log_softmax_of_the_step():
                         abs_tol=1e-6)
 
 
-def test_best_of_returns_the_most_likely_samples():
-    out = make_llm().generate([PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6,
+def test_best_of_returns_the_most_likely_samples(dtype):
+    out = make_llm(dtype=dtype).generate([PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6,
                                                        ignore_eos=True, seed=3), use_tqdm=False)[0]
     assert len(out.outputs) == 2
     assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
 
 
-def test_detokenize_off_keeps_tokens_and_skips_text():
+def test_detokenize_off_keeps_tokens_and_skips_text(dtype):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with_text = make_llm().generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
-    ids_only = make_llm().generate([PROMPT], params.replace(detokenize=False), use_tqdm=False)[0].outputs[0]
+    with_text = make_llm(dtype=dtype).generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    ids_only = make_llm(dtype=dtype).generate([PROMPT], params.replace(detokenize=False),
+                                              use_tqdm=False)[0].outputs[0]
     assert ids_only.token_ids == with_text.token_ids and ids_only.text == "" and with_text.text
-    beams = make_llm().generate([PROMPT], SamplingParams(beam_width=2, temperature=0, max_tokens=4,
+    beams = make_llm(dtype=dtype).generate([PROMPT], SamplingParams(beam_width=2, temperature=0, max_tokens=4,
                                                          detokenize=False), use_tqdm=False)[0].outputs[0]
     assert beams.text == "" and len(beams.token_ids) == 4
