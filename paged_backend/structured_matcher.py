@@ -85,11 +85,12 @@ def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class GrammarMasker:
     """Masks a step's constrained logits rows with their grammars' allowed tokens, all rows at once.
 
-    Keeps one bitmask buffer (grown to the largest batch seen) and xgrammar's batch matcher, which fills
-    the rows of several grammars in parallel threads.
+    Keeps one bitmask buffer (grown to the largest batch seen) and xgrammar's batch matcher, which can fill
+    the rows in parallel threads (one by default: filling 32 JSON rows takes well under a millisecond here,
+    less than handing work to threads; applying the mask is the larger cost).
     """
 
-    def __init__(self, vocab_size: int, max_threads: int = 2) -> None:
+    def __init__(self, vocab_size: int, max_threads: int = 1) -> None:
         self.vocab_size = vocab_size
         self._bitmask: Optional[torch.Tensor] = None
         self._batch = _xgrammar().BatchGrammarMatcher(max_threads)
