@@ -191,10 +191,16 @@ _compilers_lock = threading.Lock()
 
 
 def compiler_for(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> StructuredOutputsCompiler:
-    """The shared compiler of this tokenizer object for a vocabulary size and stop ids (built once)."""
+    """The shared compiler of this tokenizer object for a vocabulary size and stop ids (built once).
+
+    A tokenizer that cannot be weakly referenced or hashed gets a compiler of its own each call.
+    """
     key = (int(vocab_size), tuple(int(t) for t in stop_token_ids))
     with _compilers_lock:
-        per_tokenizer = _compilers.setdefault(tokenizer, {})
+        try:
+            per_tokenizer = _compilers.setdefault(tokenizer, {})
+        except TypeError:
+            return StructuredOutputsCompiler(tokenizer, vocab_size, stop_token_ids)
         compiler: Optional[StructuredOutputsCompiler] = per_tokenizer.get(key)
         if compiler is None:
             compiler = per_tokenizer[key] = StructuredOutputsCompiler(tokenizer, vocab_size, stop_token_ids)

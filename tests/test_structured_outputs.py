@@ -411,3 +411,13 @@ def test_one_compiler_per_tokenizer_and_vocab(tokenizer, compiler):
         StructuredOutputsCompiler(tokenizer, 100, [EOS, 500])
     with pytest.raises(ValueError, match="at least one stop"):
         StructuredOutputsCompiler(tokenizer, 100, [])
+
+
+def test_unhashable_tokenizer_gets_its_own_compiler(tokenizer):
+    import copy
+
+    unhashable = copy.copy(tokenizer)
+    unhashable.__class__ = type("Unhashable", (type(tokenizer),), {"__hash__": None})
+    first = compiler_for(unhashable, len(tokenizer), [EOS])
+    assert first is not compiler_for(unhashable, len(tokenizer), [EOS])
+    assert GrammarState(first.compile(StructuredOutputsParams(choice=["ok"]))).allowed_token_ids()
