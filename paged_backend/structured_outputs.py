@@ -57,8 +57,8 @@ def _check_choice(value: Any) -> List[str]:
 class StructuredOutputsParams:
     """One output constraint (vLLM's `StructuredOutputsParams` names).
 
-    `disable_any_whitespace=True` allows no whitespace between JSON tokens (the default allows some, capped
-    per gap by the compiler). `disable_additional_properties` is accepted for vLLM compatibility: xgrammar's
+    `disable_any_whitespace=True` gives JSON in `json.dumps`'s layout (", " and ": " separators, no other
+    whitespace); by default any whitespace may separate JSON tokens (capped per gap by the compiler). `disable_additional_properties` is accepted for vLLM compatibility: xgrammar's
     strict JSON-schema mode already refuses properties that a schema does not list.
     """
 
