@@ -74,7 +74,7 @@ def final_length(group: SequenceGroup, max_model_len: int) -> int:
 def _admission_need(bm, group: SequenceGroup) -> int:
     if isinstance(bm, ReservationBlockManager):
         return bm.blocks_needed(group)
-    return sum(bm.blocks_for(len(s)) for s in group.get_seqs(SequenceStatus.WAITING))
+    return bm.admission_blocks(group)
 
 
 def _largest_run(bm) -> int:

@@ -103,7 +103,7 @@ def measure_batch(model, tokenizer, batch: int, config: OverheadConfig) -> dict:
     max_tokens = prefill_steps + config.decode_steps + 2
     blocks = batch * (-(-(config.prompt_len + max_tokens) // config.block_size) + 1) + 8
     engine = LLMEngine(model, tokenizer, block_size=config.block_size, num_blocks=blocks, num_swap_blocks=0,
-                       max_num_seqs=max(256, batch), max_num_batched_tokens=2048, seed=config.seed)
+                       max_num_seqs=max(256, batch), max_num_batched_tokens=max(2048, batch), seed=config.seed)
     try:
         for i, prompt in enumerate(_prompts(tokenizer, batch, config.prompt_len, config.seed)):
             engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))

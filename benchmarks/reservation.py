@@ -85,12 +85,8 @@ class ReservationBlockManager(BlockManager):
             self.regions[seq.seq_id] = start
             self.block_tables[seq.seq_id] = list(range(start, start + units))
             seq.num_computed_tokens = 0
-            seq.prefix_owners = []
 
     # ---- growth: never beyond the reservation ----------------------------------------------
-    def _writes(self, seq: Sequence) -> Tuple[int, int]:
-        return 0, max(0, self.blocks_for(len(seq)) - len(self.block_tables[seq.seq_id]))
-
     def can_append_slots(self, group: SequenceGroup) -> bool:
         return self.num_blocks_to_append(group.get_seqs(SequenceStatus.RUNNING)) == 0
 
@@ -99,7 +95,7 @@ class ReservationBlockManager(BlockManager):
             raise RuntimeError(f"sequence {seq.seq_id} outgrew its reservation")
         return []
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence, num_tokens=None) -> None:
         raise ValueError("the reservation baseline runs one sequence per request (no n > 1 or beam search)")
 
     def free(self, seq: Sequence) -> None:

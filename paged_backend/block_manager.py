@@ -2,13 +2,14 @@
 
 Blocks are allocated only when a token needs a slot, shared by reference count between forked
 sequences and between requests with a cached common prefix, copied on the first write into a
-shared block, and moved whole between the device pool and the host swap pool.
+shared block, and moved whole between the device pool and the host swap pool. A block shared on
+the device is shared on the host too: it is swapped once per step, to one host block.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from .block import BlockAllocator, PrefixCache, hash_block
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -48,61 +49,40 @@ class BlockManager:
     def get_num_free_swap_blocks(self) -> int:
         return self.host.get_num_free_blocks()
 
-    # ---- admission ---------------------------------------------------------------------------
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the waiting sequences of a request can get blocks for all their tokens."""
-        seqs = group.get_seqs(SequenceStatus.WAITING)
-        needed = sum(self.blocks_for(len(seq)) for seq in seqs) - sum(self._sibling_shares(seqs).values())
-        if needed > self.num_blocks - self.watermark_blocks:
+    def _status(self, needed: int, needed_if_empty: int) -> AllocStatus:
+        """OK / LATER / NEVER for a request that needs `needed` free blocks now (`needed_if_empty` when
+        nothing else holds any), keeping the watermark free."""
+        if needed_if_empty > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.get_num_free_blocks() - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, group: SequenceGroup) -> None:
-        """Block tables for the waiting sequences, reusing cached prefix blocks when enabled.
+    # ---- admission ---------------------------------------------------------------------------
+    def admission_blocks(self, group: SequenceGroup) -> int:
+        """Blocks a waiting request holds once admitted (and its siblings forked, when it is being recomputed)."""
+        needed = sum(self.blocks_for(len(seq)) for seq in group.active_seqs())
+        shared = group.fork_pending_len
+        if shared is not None:
+            needed += sum(self.blocks_for(len(seq)) - shared // self.block_size for seq in group.pending_forks())
+        return needed
 
-        Sequences of one request that start with the same full blocks (the beams or samples of a
-        preempted request being recomputed) share those blocks: the first computes them, the others
-        wait for it through `prefix_owners` instead of recomputing them.
-        """
-        seqs = group.get_seqs(SequenceStatus.WAITING)
-        shares = self._sibling_shares(seqs)
-        owner_of: Dict[bytes, Tuple[int, Sequence]] = {}
-        for seq in seqs:
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        """Whether a waiting request can get blocks for all of its tokens."""
+        needed = self.admission_blocks(group)
+        return self._status(needed, needed)
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Block tables for the request's waiting sequences, reusing cached prefix blocks when enabled."""
+        for seq in group.active_seqs():
             if seq.seq_id in self.block_tables:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
             table = self._reuse_cached_prefix(seq)
             seq.num_computed_tokens = len(table) * self.block_size
             self._num_registered[seq.seq_id] = len(table)
-            seq.prefix_owners = []
-            hashes = seq.block_hashes
-            for i in range(len(table), shares.get(seq.seq_id, 0)):
-                block, owner = owner_of[hashes[i]]
-                self.device.incr(block)
-                table.append(block)
-                seq.prefix_owners.append((owner, (i + 1) * self.block_size))
             while len(table) < self.blocks_for(len(seq)):
                 table.append(self.device.allocate())
             self.block_tables[seq.seq_id] = table
-            for i in range(min(len(hashes), (len(seq) - 1) // self.block_size)):
-                owner_of.setdefault(hashes[i], (table[i], seq))
-
-    def _sibling_shares(self, seqs: List[Sequence]) -> Dict[int, int]:
-        """seq_id -> leading full blocks identical to blocks of an earlier sequence in `seqs`."""
-        shares: Dict[int, int] = {}
-        if len(seqs) < 2:
-            return shares
-        seen = set()
-        for seq in seqs:
-            hashes = self._block_hashes(seq, (len(seq) - 1) // self.block_size)
-            count = 0
-            while count < len(hashes) and hashes[count] in seen:
-                count += 1
-            if count:
-                shares[seq.seq_id] = count
-            seen.update(hashes)
-        return shares
 
     def _reuse_cached_prefix(self, seq: Sequence) -> List[int]:
         if self.prefix_cache is None:
@@ -131,16 +111,28 @@ class BlockManager:
         return hashes[:num_blocks]
 
     # ---- growth ------------------------------------------------------------------------------
-    def _writes(self, seq: Sequence) -> Tuple[int, int]:
-        """(blocks shared by others that the step will write into, new blocks needed)."""
-        table = self.block_tables[seq.seq_id]
-        needed = self.blocks_for(len(seq))
+    def _written_blocks(self, seq: Sequence, table: List[int]) -> Iterable[int]:
+        """The blocks of `table` that the sequence's uncomputed tokens write into."""
         first = seq.num_computed_tokens // self.block_size
-        shared = sum(1 for i in range(first, min(len(table), needed)) if self.device.ref_counts[table[i]] > 1)
-        return shared, max(0, needed - len(table))
+        return table[first:min(len(table), self.blocks_for(len(seq)))]
+
+    def _append_cost(self, seqs: Iterable[Sequence], tables: Dict[int, List[int]], holders) -> int:
+        """New blocks plus copy-on-write copies that writing every uncomputed token of `seqs` takes.
+
+        A block with `h` holders of which `w` write copies `min(w, h - 1)` times: each writer copies while
+        somebody else still holds the block, and the last holder keeps the original."""
+        writers: Dict[int, int] = {}
+        new_blocks = 0
+        for seq in seqs:
+            table = tables[seq.seq_id]
+            for block in self._written_blocks(seq, table):
+                writers[block] = writers.get(block, 0) + 1
+            new_blocks += max(0, self.blocks_for(len(seq)) - len(table))
+        return new_blocks + sum(max(0, min(w, holders(block) - 1)) for block, w in writers.items())
 
     def num_blocks_to_append(self, seqs: Iterable[Sequence]) -> int:
-        return sum(sum(self._writes(seq)) for seq in seqs)
+        """Free blocks that `append_slots` over these running sequences takes, exactly."""
+        return self._append_cost(seqs, self.block_tables, lambda block: self.device.ref_counts[block])
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the request can get slots for its uncomputed tokens."""
@@ -150,16 +142,16 @@ class BlockManager:
         """Slots for every uncomputed token; returns the (source, destination) block copies that
         copy-on-write needs before the step writes into a block that other sequences still share."""
         table = self.block_tables[seq.seq_id]
-        needed = self.blocks_for(len(seq))
         copies: List[Tuple[int, int]] = []
-        for i in range(seq.num_computed_tokens // self.block_size, min(len(table), needed)):
+        first = seq.num_computed_tokens // self.block_size
+        for i in range(first, min(len(table), self.blocks_for(len(seq)))):
             block = table[i]
             if self.device.ref_counts[block] > 1:
                 new_block = self.device.allocate()
                 self.device.free(block)
                 table[i] = new_block
                 copies.append((block, new_block))
-        while len(table) < needed:
+        while len(table) < self.blocks_for(len(seq)):
             table.append(self.device.allocate())
         self.num_copy_on_write += len(copies)
         return copies
@@ -183,24 +175,33 @@ class BlockManager:
         self._num_registered[seq.seq_id] = num_full
 
     # ---- sharing -----------------------------------------------------------------------------
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child holds the same blocks as the parent (reference counts raised)."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: Optional[int] = None) -> None:
+        """The child holds the parent's blocks (reference counts raised): all of them, or only those
+        covering the first `num_tokens` tokens."""
         table = self.block_tables[parent.seq_id]
+        if num_tokens is not None:
+            table = table[:self.blocks_for(num_tokens)]
         for block in table:
             self.device.incr(block)
         self.block_tables[child.seq_id] = list(table)
-        self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
+        registered = self._num_registered.get(parent.seq_id, 0)
+        if num_tokens is not None:
+            registered = min(registered, num_tokens // self.block_size)
+        self._num_registered[child.seq_id] = registered
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (device or host); a no-op for a sequence without blocks."""
+        """Release a sequence's blocks (device or host); a no-op for a sequence without blocks.
+
+        Tail first: cached blocks park in LRU order, so eviction takes a prefix chain from its end and
+        the chain's head, which every later block's hash goes through, stays reachable longest."""
         self._num_registered.pop(seq.seq_id, None)
         table = self.block_tables.pop(seq.seq_id, None)
         if table is not None:
-            for block in table:
+            for block in reversed(table):
                 self.device.free(block)
         table = self.swapped_tables.pop(seq.seq_id, None)
         if table is not None:
-            for block in table:
+            for block in reversed(table):
                 self.host.free(block)
 
     def free_group(self, group: SequenceGroup) -> None:
@@ -208,39 +209,48 @@ class BlockManager:
             self.free(seq)
 
     # ---- swapping ----------------------------------------------------------------------------
-    def _unique_blocks(self, tables: Iterable[List[int]]) -> int:
-        return len({block for table in tables for block in table})
+    # A step's swaps go into one mapping per direction (device -> host out, host -> device in). A block
+    # that two requests share is moved once: the second request finds it in the mapping and shares the
+    # copy. This is sound because every block a request holds when it is swapped was written in an earlier
+    # step: blocks freed by this step's swap-outs are only reallocated to requests that keep running.
 
-    def can_swap_out(self, group: SequenceGroup) -> bool:
-        tables = [self.block_tables[s.seq_id] for s in group.get_seqs(SequenceStatus.RUNNING)]
-        return self._unique_blocks(tables) <= self.get_num_free_swap_blocks()
+    def can_swap_out(self, group: SequenceGroup, mapping: Dict[int, int]) -> bool:
+        blocks = {b for s in group.get_seqs(SequenceStatus.RUNNING) for b in self.block_tables[s.seq_id]}
+        return len(blocks - mapping.keys()) <= self.get_num_free_swap_blocks()
 
-    def swap_out(self, group: SequenceGroup) -> Dict[int, int]:
-        """Move the running sequences' blocks to the host pool; returns device -> host block numbers."""
-        mapping = self._move(group, SequenceStatus.RUNNING, self.block_tables, self.swapped_tables,
-                             self.device, self.host)
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+    def swap_out(self, group: SequenceGroup, mapping: Dict[int, int]) -> None:
+        """Move the running sequences' blocks to the host pool, adding device -> host pairs to `mapping`."""
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        self._move(seqs, self.block_tables, self.swapped_tables, self.device, self.host, mapping)
+        for seq in seqs:
             self._num_registered.pop(seq.seq_id, None)
-        return mapping
 
-    def can_swap_in(self, group: SequenceGroup) -> bool:
+    def can_swap_in(self, group: SequenceGroup, mapping: Dict[int, int]) -> AllocStatus:
+        """Whether the swapped sequences can come back and get slots for their next tokens: one device
+        block per host block not already brought back this step, plus the exact growth after it."""
         seqs = group.get_seqs(SequenceStatus.SWAPPED)
-        needed = self._unique_blocks(self.swapped_tables[s.seq_id] for s in seqs) + len(seqs)
-        return self.get_num_free_blocks() - needed >= self.watermark_blocks
+        tables = {s.seq_id: self.swapped_tables[s.seq_id] for s in seqs}
+        in_group: Dict[int, int] = {}
+        for table in tables.values():
+            for block in table:
+                in_group[block] = in_group.get(block, 0) + 1
+        moved = sum(1 for block in in_group if block not in mapping)
+        growth = self._append_cost(seqs, tables, lambda b: in_group[b] + (
+            self.device.ref_counts[mapping[b]] if b in mapping else 0))
+        growth_if_empty = self._append_cost(seqs, tables, lambda b: in_group[b])
+        return self._status(moved + growth, len(in_group) + growth_if_empty)
 
-    def swap_in(self, group: SequenceGroup) -> Dict[int, int]:
-        """Bring swapped sequences back to the device pool; returns host -> device block numbers."""
-        mapping = self._move(group, SequenceStatus.SWAPPED, self.swapped_tables, self.block_tables,
-                             self.host, self.device)
-        for seq in group.get_seqs(SequenceStatus.SWAPPED):
+    def swap_in(self, group: SequenceGroup, mapping: Dict[int, int]) -> None:
+        """Bring swapped sequences back to the device pool, adding host -> device pairs to `mapping`."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        self._move(seqs, self.swapped_tables, self.block_tables, self.host, self.device, mapping)
+        for seq in seqs:
             self._num_registered[seq.seq_id] = 0
-        return mapping
 
     @staticmethod
-    def _move(group: SequenceGroup, status: SequenceStatus, src_tables: Dict[int, List[int]],
-              dst_tables: Dict[int, List[int]], src: BlockAllocator, dst: BlockAllocator) -> Dict[int, int]:
-        mapping: Dict[int, int] = {}
-        for seq in group.get_seqs(status):
+    def _move(seqs: List[Sequence], src_tables: Dict[int, List[int]], dst_tables: Dict[int, List[int]],
+              src: BlockAllocator, dst: BlockAllocator, mapping: Dict[int, int]) -> None:
+        for seq in seqs:
             new_table = []
             for block in src_tables.pop(seq.seq_id):
                 if block in mapping:
@@ -250,7 +260,6 @@ class BlockManager:
                 new_table.append(mapping[block])
                 src.free(block)
             dst_tables[seq.seq_id] = new_table
-        return mapping
 
     # ---- statistics --------------------------------------------------------------------------
     def token_slot_usage(self, seqs: Iterable[Sequence]) -> Tuple[int, int]:

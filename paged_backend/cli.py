@@ -37,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-blocks", type=int, default=None, help="device KV blocks (instead of --kv-cache-memory)")
     group.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: share of free memory)")
     group.add_argument("--swap-space", default=None, help="host swap space for preempted requests, e.g. 1GiB")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    group.add_argument("--max-num-seqs", type=int, default=None,
+                       help="sequences per step (default 256, or the token budget if smaller)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)

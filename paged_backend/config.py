@@ -66,18 +66,26 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Per-step budgets and the preemption policy."""
+    """Per-step budgets and the preemption policy.
 
-    max_num_seqs: int = 256
+    Every running sequence decodes one token per step, so the token budget must cover the sequence budget
+    (as in vLLM); without an explicit `max_num_seqs` it is 256 or the token budget if that is smaller."""
+
+    max_num_seqs: Optional[int] = None
     max_num_batched_tokens: int = 2048
     preemption_mode: Optional[str] = None
     max_model_len: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(256, self.max_num_batched_tokens)
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs one token of the step's budget")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

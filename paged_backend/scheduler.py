@@ -2,7 +2,8 @@
 
 Every step it keeps running requests going (first come, first served), preempting whole requests
 from the back when their next slots do not fit, brings swapped requests back, and only then admits
-waiting ones. Prompts larger than the token budget are prefilled in chunks.
+waiting ones. Prompts larger than the token budget are prefilled in chunks. A request that can never
+be scheduled fails with an error instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ class _Budget:
         self.seqs = 0
 
 
+def common_prefix_len(seqs: List[Sequence]) -> int:
+    """Tokens that every sequence starts with, leaving each at least one token of its own to compute
+    (so that each gets logits to sample from when it is recomputed)."""
+    first = seqs[0].token_ids
+    length = min(len(s) for s in seqs) - 1
+    for seq in seqs[1:]:
+        ids = seq.token_ids
+        n = 0
+        while n < length and ids[n] == first[n]:
+            n += 1
+        length = n
+    return length
+
+
 class Scheduler:
     """Waiting, running and swapped queues of whole requests over one block manager."""
 
@@ -90,11 +105,19 @@ class Scheduler:
                     return group
         return None
 
+    def fail(self, group: SequenceGroup, error: str) -> None:
+        """End a request with an error wherever it is; its blocks are freed."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        self.finish_group(group, SequenceStatus.FINISHED_ABORTED, error)
+
     def finish_group(self, group: SequenceGroup, status: SequenceStatus, error: Optional[str] = None) -> None:
         for seq in group.unfinished_seqs():
             seq.status = status
         if error is not None:
             group.error = error
+        group.fork_pending_len = None
         self.block_manager.free_group(group)
 
     def free_finished(self) -> List[SequenceGroup]:
@@ -120,6 +143,8 @@ class Scheduler:
         self._schedule_tokens(kept, out, budget)
         if not out.preempted and not self.swapped:
             self._admit_waiting(out, budget)
+        if out.is_empty and not out.failed and not self.running:
+            self._fail_unschedulable_head(out)
         return out
 
     def _keep_running(self, out: SchedulerOutput) -> List[SequenceGroup]:
@@ -129,6 +154,7 @@ class Scheduler:
         bm = self.block_manager
         while queue:
             group = queue.popleft()
+            self._fork_recomputed(group)
             while not bm.can_append_slots(group):
                 if queue:
                     self._preempt(queue.pop(), out)
@@ -143,27 +169,49 @@ class Scheduler:
                     out.failed.append(group)
                 break
             else:
-                for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    out.blocks_to_copy += bm.append_slots(seq)
+                self._append_slots(group, out)
                 kept.append(group)
         return kept
+
+    def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            out.blocks_to_copy += self.block_manager.append_slots(seq)
+
+    def _fork_recomputed(self, group: SequenceGroup) -> None:
+        """Once the leader of a recomputed request has its common prefix in the cache, the other
+        sequences fork from it (sharing those blocks) and compute only their own tails."""
+        length = group.fork_pending_len
+        if length is None:
+            return
+        leader, *others = group.unfinished_seqs()
+        if leader.num_computed_tokens < length or leader.status != SequenceStatus.RUNNING:
+            return
+        for seq in others:
+            self.block_manager.fork(leader, seq, length)
+            seq.num_computed_tokens = length
+            seq.status = SequenceStatus.RUNNING
+        group.fork_pending_len = None
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         mode = self.config.preemption_mode
         if mode is None:
             mode = "recompute" if group.max_num_running_seqs() == 1 else "swap"
-        if mode == "swap" and not self.block_manager.can_swap_out(group):
+        bm = self.block_manager
+        if mode == "swap" and not bm.can_swap_out(group, out.blocks_to_swap_out):
             mode = "recompute"
         if mode == "swap":
-            out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+            bm.swap_out(group, out.blocks_to_swap_out)
             group.set_status(SequenceStatus.SWAPPED)
             self.swapped.append(group)
             self.num_swap_preemptions += 1
         else:
-            for seq in group.unfinished_seqs():
-                self.block_manager.free(seq)
+            for seq in group.active_seqs():
+                bm.free(seq)
                 seq.num_computed_tokens = 0
             group.set_status(SequenceStatus.WAITING)
+            unfinished = group.unfinished_seqs()
+            if len(unfinished) > 1:
+                group.fork_pending_len = common_prefix_len(unfinished)
             self.waiting.appendleft(group)
             self.num_recompute_preemptions += 1
         group.num_preemptions += 1
@@ -171,19 +219,27 @@ class Scheduler:
         out.preempted.append(group)
 
     def _swap_in(self, out: SchedulerOutput, budget: _Budget) -> List[SequenceGroup]:
-        """Bring swapped requests back in arrival order while blocks and the sequence budget allow."""
+        """Bring swapped requests back in arrival order while blocks and the sequence budget allow;
+        a request that could not come back even to an empty cache fails."""
         self.swapped.sort(key=lambda g: g.metrics.arrival_time)
         back: List[SequenceGroup] = []
         bm = self.block_manager
         while self.swapped:
             group = self.swapped[0]
-            if budget.seqs + group.max_num_running_seqs() > budget.max_seqs or not bm.can_swap_in(group):
+            status = bm.can_swap_in(group, out.blocks_to_swap_in)
+            if status == AllocStatus.NEVER:
+                self.swapped.pop(0)
+                self.finish_group(group, SequenceStatus.FINISHED_ABORTED,
+                                  f"request {group.request_id!r} was swapped out and now needs more KV blocks "
+                                  f"than the whole cache holds ({bm.num_blocks} blocks of {bm.block_size} tokens)")
+                out.failed.append(group)
+                continue
+            if status == AllocStatus.LATER or budget.seqs + group.max_num_running_seqs() > budget.max_seqs:
                 break
             self.swapped.pop(0)
-            out.blocks_to_swap_in.update(bm.swap_in(group))
+            bm.swap_in(group, out.blocks_to_swap_in)
             group.set_status(SequenceStatus.RUNNING)
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                out.blocks_to_copy += bm.append_slots(seq)
+            self._append_slots(group, out)
             budget.seqs += group.max_num_running_seqs()
             back.append(group)
         return back
@@ -201,7 +257,7 @@ class Scheduler:
         for group in decoding:
             seqs = self._to_compute(group)
             if len(seqs) > budget.tokens:
-                break
+                continue  # cannot happen while the token budget covers max_num_seqs; never starve the rest
             for seq in seqs:
                 out.scheduled.append(ScheduledSeq(group, seq, 1))
             budget.tokens -= len(seqs)
@@ -209,19 +265,14 @@ class Scheduler:
             self._schedule_chunks(group, out, budget)
 
     def _schedule_chunks(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
-        planned: Dict[int, int] = {}  # seq_id -> computed tokens once this step has run
         for seq in self._to_compute(group):
-            if seq.prefix_owners and seq.num_computed_tokens < seq.prefix_owners[-1][1]:
-                # Blocks shared with a sibling: its rows of this step write them before any attention
-                # reads them, so this sequence may start right after them, once they are covered.
-                if any(planned.get(o.seq_id, o.num_computed_tokens) < end for o, end in seq.prefix_owners):
-                    continue
-                seq.num_computed_tokens = seq.prefix_owners[-1][1]
-            chunk = min(seq.num_uncomputed_tokens, budget.tokens)
+            todo = seq.num_uncomputed_tokens
+            if group.fork_pending_len is not None:  # the leader stops at the prefix its siblings fork from
+                todo = group.fork_pending_len - seq.num_computed_tokens
+            chunk = min(todo, budget.tokens)
             if chunk <= 0:
                 return
             out.scheduled.append(ScheduledSeq(group, seq, chunk))
-            planned[seq.seq_id] = seq.num_computed_tokens + chunk
             budget.tokens -= chunk
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
@@ -231,11 +282,10 @@ class Scheduler:
             status = bm.can_allocate(group)
             if status == AllocStatus.NEVER:
                 self.waiting.popleft()
-                tokens = sum(len(s) for s in group.get_seqs(SequenceStatus.WAITING))
                 self.finish_group(group, SequenceStatus.FINISHED_ABORTED,
-                                  f"request {group.request_id!r} needs {bm.blocks_for(tokens)} KV blocks for its "
-                                  f"{tokens} prompt tokens but the cache holds only {bm.num_blocks} blocks of "
-                                  f"{bm.block_size} tokens")
+                                  f"request {group.request_id!r} needs {bm.admission_blocks(group)} KV blocks for "
+                                  f"its {sum(len(s) for s in group.unfinished_seqs())} tokens but the cache holds "
+                                  f"only {bm.num_blocks} blocks of {bm.block_size} tokens")
                 out.failed.append(group)
                 continue
             if status == AllocStatus.LATER:
@@ -245,6 +295,20 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(group)
             group.set_status(SequenceStatus.RUNNING)
+            self._fork_recomputed(group)  # the prefix may already be cached
+            self._append_slots(group, out)
             budget.seqs += group.max_num_running_seqs()
             self.running.append(group)
             self._schedule_chunks(group, out, budget)
+
+    def _fail_unschedulable_head(self, out: SchedulerOutput) -> None:
+        """Nothing runs and nothing could be scheduled: the head request would wait forever for a cache
+        that is already empty, so it fails (the step reports it) instead of the engine spinning."""
+        group = self.swapped[0] if self.swapped else (self.waiting[0] if self.waiting else None)
+        if group is None:
+            return
+        self.fail(group, f"request {group.request_id!r} cannot be scheduled even with nothing else running "
+                         f"({self.block_manager.get_num_free_blocks()} of {self.block_manager.num_blocks} KV "
+                         f"blocks free, token budget {self.config.max_num_batched_tokens}, "
+                         f"max_num_seqs {self.config.max_num_seqs})")
+        out.failed.append(group)

@@ -51,9 +51,7 @@ class Sequence:
         self.detok_started = False
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []
-        # (sibling, tokens) pairs: leading blocks this sequence shares with siblings that compute them,
-        # set when a preempted multi-sequence request is recomputed.
-        self.prefix_owners: List[tuple] = []
+        self.generator: Any = None  # this sequence's own RNG when the request has a seed (set by the engine)
 
     @property
     def output_token_ids(self) -> List[int]:
@@ -124,8 +122,10 @@ class SequenceGroup:
         self.seqs: List[Sequence] = [Sequence(self.prompt_token_ids)]
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.branched = False       # the prompt's first sample has been forked into best_of / beam_width seqs
-        self.generator: Any = None  # per-request RNG when a seed is given (set by the engine)
         self.beam_state: Any = None  # finished hypotheses of a beam search (set by the engine)
+        # Recomputation of a request with several sequences: the first unfinished sequence (the leader)
+        # recomputes their common prefix of this many tokens alone, then the others fork from it.
+        self.fork_pending_len: Optional[int] = None
         self.error: Optional[str] = None
         self.num_preemptions = 0
 
@@ -149,8 +149,20 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return all(seq.is_finished() for seq in self.seqs)
 
+    def pending_forks(self) -> List[Sequence]:
+        """Sequences waiting for the leader to recompute their common prefix before they fork from it."""
+        if self.fork_pending_len is None:
+            return []
+        return self.unfinished_seqs()[1:]
+
+    def active_seqs(self) -> List[Sequence]:
+        """Unfinished sequences that hold blocks or are about to (all but the pending forks)."""
+        unfinished = self.unfinished_seqs()
+        return unfinished[:1] if self.fork_pending_len is not None else unfinished
+
     def set_status(self, status: SequenceStatus) -> None:
-        for seq in self.unfinished_seqs():
+        """Move the active sequences; pending forks stay waiting until they fork."""
+        for seq in self.active_seqs():
             seq.status = status
 
     def find(self, seq_id: int) -> Sequence:

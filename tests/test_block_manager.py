@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from paged_backend.block import BlockAllocator, NoFreeBlocksError, PrefixCache, hash_block
 from paged_backend.block_manager import AllocStatus, BlockManager
+from paged_backend.scheduler import common_prefix_len
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.sequence import SequenceGroup, SequenceStatus
 
@@ -134,12 +135,14 @@ def test_swap_out_and_in_move_shared_blocks_once():
     child = parent.fork()
     bm.fork(parent, child)
     group.seqs.append(child)
-    assert bm.can_swap_out(group)
-    out = bm.swap_out(group)
+    out = {}
+    assert bm.can_swap_out(group, out)
+    bm.swap_out(group, out)
     assert len(out) == 2 and bm.get_num_free_blocks() == 8 and bm.get_num_free_swap_blocks() == 6
     group.set_status(SequenceStatus.SWAPPED)
-    assert bm.can_swap_in(group)
-    back = bm.swap_in(group)
+    back = {}
+    assert bm.can_swap_in(group, back) == AllocStatus.OK
+    bm.swap_in(group, back)
     assert sorted(back) == sorted(out.values())
     assert bm.block_tables[parent.seq_id] == bm.block_tables[child.seq_id]
     assert bm.get_num_free_swap_blocks() == 8
@@ -199,12 +202,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.hash_tokens: Dict[bytes, List[int]] = {}
 
     # -- helpers --
-    def _write(self, seq) -> None:
+    def _write(self, seq, upto: Optional[int] = None) -> None:
+        """The step writes K/V (here: the token ids) of positions [computed, upto) into their slots."""
+        upto = len(seq) if upto is None else upto
         table = self.bm.block_tables[seq.seq_id]
-        for pos in range(seq.num_computed_tokens, len(seq)):
+        for pos in range(seq.num_computed_tokens, upto):
             block = table[pos // BLOCK]
             self.device.setdefault(block, [None] * BLOCK)[pos % BLOCK] = seq.token_ids[pos]
-        compute(self.bm, seq)
+        seq.num_computed_tokens = upto
+        self.bm.mark_computed(seq)
         for i, h in enumerate(seq.block_hashes):
             self.hash_tokens[h] = seq.token_ids[i * BLOCK:(i + 1) * BLOCK]
 
@@ -238,7 +244,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         table = list(self.bm.block_tables[seq.seq_id])
         index = seq.num_computed_tokens // BLOCK
         expect_cow = index < len(table) and self.bm.device.ref_counts[table[index]] > 1
+        predicted, free = self.bm.num_blocks_to_append([seq]), self.bm.get_num_free_blocks()
         copies = self.bm.append_slots(seq)
+        assert free - self.bm.get_num_free_blocks() == predicted
         assert len(copies) == int(expect_cow)
         for src, dst in copies:
             assert src == table[index]
@@ -265,49 +273,93 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def recompute(self, data):
-        """Preempt by recomputation: free everything, then re-admit all sequences at once; siblings
-        with a common prefix share its blocks and wait for the sibling that computes them."""
+        """Preempt by recomputation as the scheduler does: free everything; re-admit the leader, which
+        recomputes the common prefix; fork the others from it; each then computes its own tail."""
         group = data.draw(st.sampled_from(self.running))
         self.running.remove(group)
         for seq in group.seqs:
             self.bm.free(seq)
             seq.num_computed_tokens = 0
+        if len(group.seqs) > 1:
+            group.fork_pending_len = common_prefix_len(group.seqs)
         group.set_status(SequenceStatus.WAITING)
         if self.bm.can_allocate(group) != AllocStatus.OK:
+            group.fork_pending_len = None
             return
         admit(self.bm, group)
-        for seq in group.seqs:
-            for owner, end in seq.prefix_owners:
-                assert owner.num_computed_tokens >= end
-                assert owner.token_ids[:end] == seq.token_ids[:end]
-            if seq.prefix_owners:
-                seq.num_computed_tokens = max(seq.num_computed_tokens, seq.prefix_owners[-1][1])
-            self._write(seq)
+        leader, *others = group.seqs
+        shared = group.fork_pending_len
+        if shared is not None:
+            self._write(leader, upto=max(shared, leader.num_computed_tokens))
+            for seq in others:
+                self.bm.fork(leader, seq, shared)
+                seq.num_computed_tokens = shared
+                seq.status = SequenceStatus.RUNNING
+            group.fork_pending_len = None
+        if self.bm.num_blocks_to_append(group.seqs) > self.bm.get_num_free_blocks():
+            self.bm.free_group(group)  # does not fit: dropped, as a request that fails
+            return
+        self._append_exactly(group.seqs)
         self.running.append(group)
+
+    def _append(self, seq) -> None:
+        """Slots (copying shared blocks first) and K/V for every uncomputed token of `seq`."""
+        for src, dst in self.bm.append_slots(seq):
+            self.device[dst] = list(self.device[src])
+        self._write(seq)
+
+    def _swap_out(self, groups: List[SequenceGroup]) -> None:
+        mapping: Dict[int, int] = {}
+        moved = []
+        for group in groups:
+            if not self.bm.can_swap_out(group, mapping):
+                continue
+            for seq in group.seqs:  # its sampled next token waits to be computed after swap-in
+                seq.append_token(len(seq) % 4, 0.0)
+            self.bm.swap_out(group, mapping)
+            group.set_status(SequenceStatus.SWAPPED)
+            self.running.remove(group)
+            self.swapped.append(group)
+            moved.append(group)
+        assert len(set(mapping.values())) == len(mapping)  # one host block per device block
+        for device_block, host_block in mapping.items():
+            self.host[host_block] = list(self.device[device_block])
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def swap_out(self, data):
-        group = data.draw(st.sampled_from(self.running))
-        if not self.bm.can_swap_out(group):
-            return
-        for device_block, host_block in self.bm.swap_out(group).items():
-            self.host[host_block] = list(self.device[device_block])
-        group.set_status(SequenceStatus.SWAPPED)
-        self.running.remove(group)
-        self.swapped.append(group)
+        self._swap_out([data.draw(st.sampled_from(self.running))])
+
+    @precondition(lambda self: len(self.running) > 1)
+    @rule(data=st.data())
+    def swap_out_together(self, data):
+        """Several requests swapped out in one step (they may share prefix-cached blocks)."""
+        self._swap_out(data.draw(st.lists(st.sampled_from(self.running), min_size=2, max_size=4, unique=True)))
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
     def swap_in(self, data):
-        group = data.draw(st.sampled_from(self.swapped))
-        if not self.bm.can_swap_in(group):
-            return
-        for host_block, device_block in self.bm.swap_in(group).items():
-            self.device[device_block] = list(self.host[host_block])
-        group.set_status(SequenceStatus.RUNNING)
-        self.swapped.remove(group)
-        self.running.append(group)
+        groups = data.draw(st.lists(st.sampled_from(self.swapped), min_size=1, max_size=3, unique=True))
+        mapping: Dict[int, int] = {}
+        for group in groups:
+            if self.bm.can_swap_in(group, mapping) != AllocStatus.OK:
+                continue
+            before = set(mapping)
+            self.bm.swap_in(group, mapping)
+            for host_block in mapping.keys() - before:  # the runner copies them before any write of the step
+                self.device[mapping[host_block]] = list(self.host[host_block])
+            group.set_status(SequenceStatus.RUNNING)
+            self.swapped.remove(group)
+            self.running.append(group)
+            self._append_exactly(group.seqs)
+
+    def _append_exactly(self, seqs) -> None:
+        """append_slots takes exactly the blocks num_blocks_to_append predicted, and they were free."""
+        predicted, free = self.bm.num_blocks_to_append(seqs), self.bm.get_num_free_blocks()
+        assert predicted <= free
+        for seq in seqs:
+            self._append(seq)
+        assert free - self.bm.get_num_free_blocks() == predicted
 
     # -- invariants --
     @staticmethod
