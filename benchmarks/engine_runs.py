@@ -110,6 +110,9 @@ class DryRunner:
         logits[:, self.token_id] = 1.0
         return logits
 
+    def shutdown(self) -> None:
+        """Nothing to release: a dry runner holds no model and no cache."""
+
 
 @dataclass
 class TraceRun:

@@ -1,7 +1,9 @@
 """`AsyncLLMEngine`: the engine behind an asyncio server, one stream of outputs per request.
 
 Steps run in a worker thread, so the event loop stays responsive; requests added or aborted while a
-step runs are applied between steps. The loop task exists only while there is work.
+step runs are applied between steps. The loop task exists only while there is work. A request that
+fails ends its own stream with the error in its final output; an engine that cannot continue sets
+`errored` (servers report themselves unhealthy) and ends every stream with an `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -9,21 +11,25 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 from typing import AsyncIterator, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .engine import LLMEngine, PromptType
+from .errors import EngineDeadError
 from .metrics import EngineStats
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine:
     """Streams cumulative `RequestOutput`s per request; aborting or cancelling frees its blocks."""
 
     def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
-                 dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                 dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
                  **engine_options) -> None:
         self._init(LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device, **engine_options))
 
@@ -62,6 +68,8 @@ class AsyncLLMEngine:
         """Yield the request's output after every step it takes part in; the last one is finished."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
         params = SamplingParams() if params is None else params
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if request_id in self._streams:
@@ -129,20 +137,24 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
-                self._fail_all(exc)
-                continue
+            except Exception as exc:  # noqa: BLE001 - per-request failures come back as outputs; this is fatal
+                self._die(exc)
+                return
             self._stats = self.engine.get_stats()
             for output in outputs:
                 self._deliver(output)
 
-    def _fail_all(self, exc: Exception) -> None:
-        ids = list(self.engine.groups)
-        self.engine.abort_request(ids)
-        for request_id in ids:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
+    def _die(self, exc: Exception) -> None:
+        """The engine cannot step any more: mark it errored and end every stream with the error."""
+        self.errored = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"the engine step raised {type(exc).__name__}: {exc}")
+        if not isinstance(exc, EngineDeadError):
+            logger.error("the engine step raised; the engine is marked as failed", exc_info=exc)
+        self.engine.abort_request(list(self.engine.groups))
+        self._pending_adds.clear()
+        self._pending_aborts.clear()
+        for stream in self._streams.values():
+            stream.put_nowait(self.errored)
         self._stats = self.engine.get_stats()
 
     async def wait_idle(self) -> None:

@@ -10,7 +10,7 @@ so hypotheses and scores match it exactly. The engine maps the decisions onto fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -28,6 +28,7 @@ class Hypothesis:
     sum_logprob: float
     score: float
     beam_indices: List[int] = field(default_factory=list)  # live beam extended at each step
+    stop_reason: Optional[str] = None  # the stop string its last token completed, if that ended it
 
 
 @dataclass
@@ -62,6 +63,9 @@ class BeamSearchState:
     pending_logits: Dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> raw logits awaiting siblings
     step_scores: List[torch.Tensor] = field(default_factory=list)
     step_logits: List[torch.Tensor] = field(default_factory=list)
+    # (generated tokens of a beam, candidate token) -> the stop string the candidate completes, or None.
+    # A candidate that completes one ends like EOS does (transformers' `stop_strings` in beam search).
+    stop_check: Optional[Callable[[List[int], int], Optional[str]]] = None
 
     def __post_init__(self) -> None:
         self.running_scores = torch.zeros(1, dtype=torch.float32)
@@ -87,21 +91,30 @@ class BeamSearchState:
         parents = (top_index // vocab).tolist()
         tokens = (top_index % vocab).tolist()
         at_max_length = self.cur_len + 1 >= self.max_length
-        hits = torch.tensor([at_max_length or t in self._eos_set for t in tokens], dtype=torch.bool)
+        stops = self._stop_strings(parents, tokens, beam_tokens)
+        hits = torch.tensor([at_max_length or t in self._eos_set or stop is not None
+                             for t, stop in zip(tokens, stops)], dtype=torch.bool)
 
         running = top_scores + hits.to(torch.float32) * _BIG
         keep = torch.topk(running, k=k)[1].tolist()
         decisions = [BeamDecision(parents[c], tokens[c], float(log_probs[parents[c], tokens[c]]), float(running[c]))
                      for c in keep]
         paths = beam_paths if beam_paths is not None else [[] for _ in beam_tokens]
-        self._update_finished(top_scores, hits, parents, tokens, beam_tokens, paths)
+        self._update_finished(top_scores, hits, parents, tokens, beam_tokens, paths, stops)
         self.running_scores = running[keep]
         self.cur_len += 1
         self._update_done(hits)
         return decisions
 
+    def _stop_strings(self, parents: List[int], tokens: List[int], beam_tokens: List[List[int]]
+                      ) -> List[Optional[str]]:
+        if self.stop_check is None:
+            return [None] * len(tokens)
+        return [self.stop_check(beam_tokens[p], t) for p, t in zip(parents, tokens)]
+
     def _update_finished(self, top_scores: torch.Tensor, hits: torch.Tensor, parents: List[int],
-                         tokens: List[int], beam_tokens: List[List[int]], paths: List[List[int]]) -> None:
+                         tokens: List[int], beam_tokens: List[List[int]], paths: List[List[int]],
+                         stops: List[Optional[str]]) -> None:
         k = self.beam_width
         top_mask = torch.arange(len(tokens)) < k
         just_finished = hits & top_mask
@@ -120,7 +133,7 @@ class BeamSearchState:
             elif bool(just_finished[c - k]):
                 j = c - k
                 slots.append(Hypothesis(beam_tokens[parents[j]] + [tokens[j]], float(top_scores[j]),
-                                        float(merged_scores[c]), paths[parents[j]] + [parents[j]]))
+                                        float(merged_scores[c]), paths[parents[j]] + [parents[j]], stops[j]))
             else:
                 slots.append(None)
         self.finished = slots

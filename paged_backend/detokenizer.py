@@ -39,3 +39,22 @@ def find_stop_string(text: str, new_len: int, stops: List[str]) -> Optional[tupl
         if idx != -1 and (best is None or idx < best[1]):
             best = (stop, idx)
     return best
+
+
+def stop_string_in_candidate(tokenizer, output_ids: List[int], token: int, stops: List[str],
+                             skip_special_tokens: bool) -> Optional[str]:
+    """The stop string that ends inside the text `token` adds after `output_ids`, or None (beam search
+    checks every candidate continuation this way, as transformers' `stop_strings` does)."""
+    context = output_ids[-(max(len(s) for s in stops) + _CONTEXT_TOKENS):]
+    before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    after = tokenizer.decode(context + [token], skip_special_tokens=skip_special_tokens)
+    found = find_stop_string(after, max(0, len(after) - len(before)), stops)
+    return found[0] if found is not None else None
+
+
+def cut_at_stop(text: str, new_len: int, stop: str, include_stop: bool) -> str:
+    """`text` up to the stop string that ends inside its newest `new_len` characters (or through it)."""
+    found = find_stop_string(text, new_len, [stop])
+    if found is None:
+        return text
+    return text[: found[1] + len(stop) if include_stop else found[1]]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
-from typing import Dict, List, Optional, Sequence as Seq, Union
+from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -11,18 +13,23 @@ from .beam_search import BeamSearchState, apply_beam_decisions
 from .block_manager import BlockManager
 from .cache_engine import CacheEngine, KVGeometry, kv_geometry
 from .config import EngineConfig
-from .detokenizer import decode_new_text, find_stop_string
+from .detokenizer import cut_at_stop, decode_new_text, find_stop_string, stop_string_in_candidate
+from .errors import EngineDeadError
+from .input_builder import prepare_inputs
+from .loader import check_module_dtype
 from .metrics import Counters, EngineStats
-from .model_runner import ModelRunner, check_model_supported, prepare_inputs
+from .model_runner import ModelRunner, check_model_supported
 from .output_builder import OutputBuilder
 from .outputs import RequestOutput
-from .sampler import SampleRequest, Sampler
+from .sampler import SampleRequest, SampleResult, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .sizing import KVCacheSize, size_kv_cache
+from .step_inputs import Runner
 
 PromptType = Union[str, List[int]]
+logger = logging.getLogger(__name__)
 
 
 def _eos_ids(model, tokenizer) -> List[int]:
@@ -32,6 +39,15 @@ def _eos_ids(model, tokenizer) -> List[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _sample_generator(seed: int, index: int) -> torch.Generator:
+    """The RNG of sample `index` of a seeded request: its own stream, so its tokens do not depend on when
+    its siblings are sampled (they may be scheduled apart after a preemption)."""
+    if index == 0:
+        return torch.Generator(device="cpu").manual_seed(seed)
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little"))
 
 
 def _max_model_len(model) -> int:
@@ -47,7 +63,7 @@ class LLMEngine:
     """The serving core: a scheduler and block manager over a paged KV cache and an HF model."""
 
     def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
-                 dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                 dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
                  trust_remote_code: bool = False, **engine_options) -> None:
         self.config = EngineConfig.from_kwargs(**engine_options)
         tensor_parallel = self.config.parallel.tensor_parallel_size > 1
@@ -75,11 +91,13 @@ class LLMEngine:
         self.groups: Dict[str, SequenceGroup] = {}
         self.counters = Counters()
         self.outputs = OutputBuilder(self.tokenizer, self._stop_ids)
+        self.errored: Optional[EngineDeadError] = None  # set when the engine cannot run another step
 
     # ---- construction ------------------------------------------------------------------------
     @staticmethod
     def _load(model, tokenizer, dtype, device, trust_remote_code):
         if isinstance(model, torch.nn.Module):
+            check_module_dtype(model, dtype)
             return model.eval(), tokenizer
         from .loader import load_model
 
@@ -93,7 +111,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={wanted} exceeds the model's context of {limit} tokens")
         return wanted or limit
 
-    def _make_runner(self):
+    def _make_runner(self) -> Runner:
         tp = self.config.parallel.tensor_parallel_size
         if tp > 1:
             from .distributed import TensorParallelRunner
@@ -101,8 +119,6 @@ class LLMEngine:
             runner = TensorParallelRunner(self.model, self.geometry, self.kv_size, self.config, self.dtype,
                                           device=self.device, model_name=self._model_name,
                                           trust_remote_code=self._trust_remote_code)
-            if self._model_name is not None:
-                self.model = runner.model  # rank 0's shard: the full model is not kept
             return runner
         cache = CacheEngine(self.geometry, self.config.cache.block_size, self.kv_size.num_blocks,
                             self.kv_size.num_swap_blocks, self.dtype, self.device)
@@ -137,6 +153,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
                              f"and at least one must remain for output")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to match the text; this engine has none "
+                             "(use stop_token_ids)")
         if params.num_branches > self.config.scheduler.max_num_seqs:
             raise ValueError(f"the request runs {params.num_branches} sequences at once (best_of / beam_width) "
                              f"but max_num_seqs is {self.config.scheduler.max_num_seqs}")
@@ -151,17 +170,20 @@ class LLMEngine:
                     arrival_time: Optional[float] = None) -> None:
         """Queue a request; raises ValueError for bad input or a prompt that can never fit."""
         params = SamplingParams() if params is None else params
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate_request(prompt, params)
         group = SequenceGroup(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                               arrival_time, self.eos_token_ids)
         if params.seed is not None:
-            group.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+            group.seqs[0].generator = _sample_generator(params.seed, 0)
         if params.use_beam_search:
             group.beam_state = BeamSearchState(
                 params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
-                params.early_stopping, self._stop_ids(params), record_scores=params.output_scores)
+                params.early_stopping, self._stop_ids(params), record_scores=params.output_scores,
+                stop_check=self._beam_stop_check(params))
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -172,6 +194,13 @@ class LLMEngine:
 
     def _stop_ids(self, params: SamplingParams) -> List[int]:
         return ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
+
+    def _beam_stop_check(self, params: SamplingParams) -> Optional[Callable[[List[int], int], Optional[str]]]:
+        """For beam search with stop strings: the stop string a candidate token completes, if any."""
+        if not params.stop_strings:
+            return None
+        return lambda output_ids, token: stop_string_in_candidate(
+            self.tokenizer, output_ids, token, params.stop_strings, params.skip_special_tokens)
 
     def abort_request(self, request_id: Union[str, Seq[str]]) -> List[RequestOutput]:
         """Stop requests and free their blocks; returns their final outputs (finish_reason "abort")."""
@@ -191,27 +220,79 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that moved."""
+        """Schedule, run the model once, sample, and report every request that moved.
+
+        A failure belongs to the request that caused it: an error while sampling or stopping one request
+        fails that request only; a failed forward fails the step's requests and the others go on. Only a
+        runner that cannot continue (`EngineDeadError`) fails everything, and the error is raised."""
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine cannot run: {self.errored}")
         sched = self.scheduler.schedule()
         outputs = [self._finalize(g) for g in sched.failed]
+        for group in sched.failed:
+            logger.error("request %r failed: %s", group.request_id, group.error)
+        if sched.scheduled or sched.blocks_to_swap_in or sched.blocks_to_swap_out or sched.blocks_to_copy:
+            used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
+            self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
+            try:
+                logits = self.runner.execute(self._step_inputs(sched))
+            except EngineDeadError as exc:
+                self._die(exc)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the others go on
+                return outputs + self._fail_step(sched, exc)
+            self._process(sched, logits)
+            self.counters.num_steps += 1
+        self.scheduler.free_finished()
+        return outputs + self._outputs_of(sched.scheduled)
+
+    def _step_inputs(self, sched: SchedulerOutput):
         inputs = prepare_inputs(sched.scheduled, self.block_manager.block_tables, self.config.cache.block_size)
         inputs.swap_out, inputs.swap_in, inputs.copies = (sched.blocks_to_swap_out, sched.blocks_to_swap_in,
                                                           sched.blocks_to_copy)
-        if sched.scheduled or inputs.swap_in or inputs.swap_out or inputs.copies:
-            used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
-            self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
-            logits = self.runner.execute(inputs)
-            self._process(sched, logits)
-            self.counters.num_steps += 1
-        finished = {g.request_id for g in self.scheduler.free_finished()}
-        seen = set()
-        for item in sched.scheduled:
+        return inputs
+
+    def _outputs_of(self, scheduled: List[ScheduledSeq]) -> List[RequestOutput]:
+        """One output per request of the step: final (and forgotten) when it has finished or failed."""
+        outputs, seen = [], set()
+        for item in scheduled:
             group = item.group
             if group.request_id in seen or group.request_id not in self.groups:
                 continue
             seen.add(group.request_id)
-            outputs.append(self._finalize(group) if group.request_id in finished else self.outputs.build(group))
+            outputs.append(self._finalize(group) if group.is_finished() else self.outputs.build(group))
         return outputs
+
+    # ---- failures ----------------------------------------------------------------------------
+    def _fail_group(self, group: SequenceGroup, error: str) -> None:
+        """End one request with an error (its blocks are freed); logged once, counted as failed."""
+        logger.error("request %r failed: %s", group.request_id, error)
+        self.scheduler.fail(group, error)
+
+    def _guarded(self, group: SequenceGroup, what: str, action: Callable[[], None]) -> None:
+        """Run one request's part of the step; an exception fails that request alone."""
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+            self._fail_group(group, f"{what} failed: {type(exc).__name__}: {exc}")
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> List[RequestOutput]:
+        """The forward failed: its requests (every running one, and those swapped out by this step, whose
+        blocks may be half moved) fail; waiting and earlier swapped requests are untouched."""
+        error = f"the model step failed: {type(exc).__name__}: {exc}"
+        logger.error("step failed; failing the %d requests it ran", len(self.scheduler.running), exc_info=exc)
+        victims = list(self.scheduler.running) + [g for g in sched.preempted if g in self.scheduler.swapped]
+        for group in victims:
+            self._fail_group(group, error)
+        return [self._finalize(group) for group in victims]
+
+    def _die(self, exc: EngineDeadError) -> None:
+        """The runner cannot continue: every request fails and the engine takes no more."""
+        self.errored = exc
+        logger.error("the engine cannot continue: %s", exc)
+        for group in list(self.groups.values()):
+            self.scheduler.fail(group, f"the engine failed: {exc}")
+            self._finalize(group)
 
     def _process(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
         samplers: List[ScheduledSeq] = []
@@ -238,22 +319,40 @@ class LLMEngine:
     def _sample_request(self, item: ScheduledSeq) -> SampleRequest:
         group = item.group
         params = group.sampling_params
-        return SampleRequest(params, item.seq, 1 if group.branched else params.best_of, group.generator,
+        return SampleRequest(params, item.seq, 1 if group.branched else params.best_of, item.seq.generator,
                              self._stop_ids(params) if params.min_tokens else [])
 
     def _sample(self, items: List[ScheduledSeq], logits: torch.Tensor) -> None:
         requests = [self._sample_request(item) for item in items]
-        results = self.sampler.sample(logits, requests)
+        try:
+            results: List[Optional[SampleResult]] = list(self.sampler.sample(logits, requests))
+        except Exception:  # noqa: BLE001 - find the request at fault: sample the rows one by one
+            results = [self._sample_alone(item, logits[i:i + 1], request)
+                       for i, (item, request) in enumerate(zip(items, requests))]
         for item, result in zip(items, results):
-            group, seq = item.group, item.seq
-            if not group.branched:
-                group.branched = True
-                for j in range(1, len(result.token_ids)):
-                    child = seq.fork()
-                    self.block_manager.fork(seq, child)
-                    group.seqs.append(child)
-                    self._append(group, child, result, j)
-            self._append(group, seq, result, 0)
+            if result is not None:
+                self._guarded(item.group, "generating the next token",
+                              lambda item=item, result=result: self._take_sample(item, result))
+
+    def _sample_alone(self, item: ScheduledSeq, row: torch.Tensor, request: SampleRequest) -> Optional[SampleResult]:
+        try:
+            return self.sampler.sample(row, [request])[0]
+        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+            self._fail_group(item.group, f"sampling failed: {type(exc).__name__}: {exc}")
+            return None
+
+    def _take_sample(self, item: ScheduledSeq, result: SampleResult) -> None:
+        group, seq = item.group, item.seq
+        if not group.branched:
+            group.branched = True
+            seed = group.sampling_params.seed
+            for j in range(1, len(result.token_ids)):
+                child = seq.fork()
+                child.generator = None if seed is None else _sample_generator(seed, j)
+                self.block_manager.fork(seq, child)
+                group.seqs.append(child)
+                self._append(group, child, result, j)
+        self._append(group, seq, result, 0)
 
     def _append(self, group: SequenceGroup, seq: Sequence, result, j: int) -> None:
         params = group.sampling_params
@@ -286,8 +385,9 @@ class LLMEngine:
             if params.stop_strings and new_text:
                 found = find_stop_string(seq.output_text, len(new_text), params.stop_strings)
                 if found is not None:
-                    stop, idx = found
-                    seq.output_text = seq.output_text[: idx + len(stop) if params.include_stop_str_in_output else idx]
+                    stop = found[0]
+                    seq.output_text = cut_at_stop(seq.output_text, len(new_text), stop,
+                                                  params.include_stop_str_in_output)
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                     return
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
@@ -299,23 +399,42 @@ class LLMEngine:
     def _beam_search(self, items: List[ScheduledSeq], logits: torch.Tensor) -> None:
         requests = [SampleRequest(item.group.sampling_params, item.seq, 1, None,
                                   self._stop_ids(item.group.sampling_params)) for item in items]
-        log_probs = Sampler.beam_log_probs(logits, requests)
+        try:
+            log_probs = Sampler.beam_log_probs(logits, requests)
+        except Exception:  # noqa: BLE001 - find the request at fault: one row at a time
+            log_probs = None
         touched: Dict[str, SequenceGroup] = {}
         for i, item in enumerate(items):
+            if item.group.is_finished():
+                continue
+            row = log_probs[i] if log_probs is not None else self._beam_row(item, logits[i:i + 1], requests[i])
+            if row is None:
+                continue
             state: BeamSearchState = item.group.beam_state
-            state.pending[item.seq.seq_id] = log_probs[i]
+            state.pending[item.seq.seq_id] = row
             if state.record_scores:
                 state.pending_logits[item.seq.seq_id] = logits[i].to(torch.float32)
             touched[item.group.request_id] = item.group
         for group in touched.values():
-            live = group.unfinished_seqs()
-            state = group.beam_state
-            if all(seq.seq_id in state.pending for seq in live):
-                rows = torch.stack([state.pending.pop(seq.seq_id) for seq in live])
-                if state.record_scores:
-                    state.step_scores.append(rows.clone())
-                    state.step_logits.append(torch.stack([state.pending_logits.pop(seq.seq_id) for seq in live]))
-                self._beam_step(group, live, rows)
+            self._guarded(group, "the beam search step", lambda group=group: self._beam_advance(group))
+
+    def _beam_row(self, item: ScheduledSeq, row: torch.Tensor, request: SampleRequest) -> Optional[torch.Tensor]:
+        try:
+            return Sampler.beam_log_probs(row, [request])[0]
+        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+            self._fail_group(item.group, f"beam scoring failed: {type(exc).__name__}: {exc}")
+            return None
+
+    def _beam_advance(self, group: SequenceGroup) -> None:
+        """Step the beam search once every live beam has its log-probs."""
+        live = group.unfinished_seqs()
+        state = group.beam_state
+        if all(seq.seq_id in state.pending for seq in live):
+            rows = torch.stack([state.pending.pop(seq.seq_id) for seq in live])
+            if state.record_scores:
+                state.step_scores.append(rows.clone())
+                state.step_logits.append(torch.stack([state.pending_logits.pop(seq.seq_id) for seq in live]))
+            self._beam_step(group, live, rows)
 
     def _beam_step(self, group: SequenceGroup, live: List[Sequence], log_probs: torch.Tensor) -> None:
         state: BeamSearchState = group.beam_state
@@ -338,6 +457,8 @@ class LLMEngine:
             self.counters.num_requests_failed += 1
         else:
             self.counters.num_requests_finished += 1
+            if any(seq.status == SequenceStatus.FINISHED_ABORTED for seq in group.seqs):
+                self.counters.num_requests_aborted += 1
         return self.outputs.build(group, final=True)
 
     # ---- statistics --------------------------------------------------------------------------
@@ -362,13 +483,9 @@ class LLMEngine:
             num_prompt_tokens=self.counters.num_prompt_tokens,
             num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,
-            num_requests_failed=self.counters.num_requests_failed)
+            num_requests_failed=self.counters.num_requests_failed,
+            num_requests_aborted=self.counters.num_requests_aborted)
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""
-        close = getattr(self.runner, "shutdown", None)
-        if close is not None:
-            close()
-        cache = getattr(self.runner, "cache_engine", None)
-        if cache is not None:
-            cache.release()
+        self.runner.shutdown()

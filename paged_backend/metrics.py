@@ -32,8 +32,9 @@ class EngineStats:
     num_prompt_tokens: int          # tokens run through the model as prefill
     num_generated_tokens: int
     num_steps: int
-    num_requests_finished: int
-    num_requests_failed: int
+    num_requests_finished: int      # ended without an error (aborted ones included)
+    num_requests_failed: int        # ended with an error
+    num_requests_aborted: int       # of the finished: aborted by the caller
 
     def as_dict(self) -> Dict[str, float]:
         return asdict(self)
@@ -48,4 +49,5 @@ class Counters:
     num_steps: int = 0
     num_requests_finished: int = 0
     num_requests_failed: int = 0
+    num_requests_aborted: int = 0
     peak_used_blocks: int = 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-from .beam_search import BeamSearchState
+from .beam_search import BeamSearchState, Hypothesis
+from .detokenizer import cut_at_stop
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -56,6 +57,14 @@ class OutputBuilder:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
+    def _hypothesis_text(self, hyp: Hypothesis, params: SamplingParams) -> str:
+        """The hypothesis' text, cut at the stop string that ended it (as sampled outputs are)."""
+        text = self._decode(hyp.token_ids, params)
+        if hyp.stop_reason is None or not text:
+            return text
+        new_len = len(text) - len(self._decode(hyp.token_ids[:-1], params))
+        return cut_at_stop(text, max(new_len, 0), hyp.stop_reason, params.include_stop_str_in_output)
+
     def _beam_completions(self, group: SequenceGroup, final: bool) -> List[CompletionOutput]:
         """The best finished hypotheses once done; the live beams while running or when aborted."""
         params = group.sampling_params
@@ -63,9 +72,10 @@ class OutputBuilder:
         aborted = group.error is not None or any(s.status == SequenceStatus.FINISHED_ABORTED for s in group.seqs)
         if final and not aborted:
             stop_ids = set(self.stop_ids(params))
-            return [CompletionOutput(i, self._decode(hyp.token_ids, params), hyp.token_ids, hyp.sum_logprob,
-                                     finish_reason="stop" if hyp.token_ids and hyp.token_ids[-1] in stop_ids
-                                     else "length",
+            return [CompletionOutput(i, self._hypothesis_text(hyp, params), hyp.token_ids, hyp.sum_logprob,
+                                     finish_reason="stop" if hyp.stop_reason is not None or
+                                     (hyp.token_ids and hyp.token_ids[-1] in stop_ids) else "length",
+                                     stop_reason=hyp.stop_reason,
                                      beam_score=hyp.score, beam_indices=list(hyp.beam_indices))
                     for i, hyp in enumerate(state.best(params.n))]
         return [CompletionOutput(i, self._decode(seq.output_token_ids, params), seq.output_token_ids,

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .logits_processors import ProcessorRow, apply_logits_processors
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -40,8 +41,8 @@ class SampleResult:
 
 
 def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
-    """Repetition (HF: over prompt and output), presence and frequency (over output) penalties and
-    min-tokens masking, in place on float32 rows."""
+    """Repetition (HF: over prompt and output), presence and frequency (over output) penalties,
+    min-tokens masking, then the request's own logits processors, in place on float32 rows."""
     for i, req in enumerate(requests):
         p = req.params
         if p.repetition_penalty != 1.0:
@@ -55,6 +56,11 @@ def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest]) -> torc
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         if req.blocked_ids and req.seq.num_output_tokens < p.min_tokens:
             logits[i, [t for t in req.blocked_ids if t < logits.shape[1]]] = NEG_INF
+    with_processors = [ProcessorRow(i, r.seq.token_ids[:r.seq.prompt_len], r.seq.output_token_ids,
+                                    r.params.logits_processors)
+                       for i, r in enumerate(requests) if r.params.logits_processors]
+    if with_processors:
+        apply_logits_processors(logits, with_processors)
     return logits
 
 

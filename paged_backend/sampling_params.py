@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
+
+from .logits_processors import check_logits_processors
 
 _EPS = 1e-6
 
@@ -47,6 +49,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: Union[bool, str] = False
     output_scores: bool = False  # keep the processed per-step scores (used by the HF adapter)
+    # vLLM v0's per-request processors: (output_ids, logits_row) or (prompt_ids, output_ids, logits_row)
+    # -> logits_row, applied after the penalties; an exception fails this request only.
+    logits_processors: Optional[List[Callable]] = None
     stop_strings: List[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +59,7 @@ class SamplingParams:
             self.best_of = self.n
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logits_processors = check_logits_processors(self.logits_processors)
         self._check_counts()
         self._check_sampling()
         self._check_stops()

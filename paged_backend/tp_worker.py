@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .cache_engine import CacheEngine, KVGeometry
-from .model_runner import ModelRunner, StepInputs
+from .errors import EngineDeadError
+from .model_runner import ModelRunner
+from .step_inputs import StepInputs
 from .tp_sharding import build_plan, shard_model, tensor_parallel_context, weights_fingerprint
 
 HEADER_LEN = 12
@@ -34,7 +36,7 @@ MAX_DIGESTS = 100_000
 STORE_PREFIX = "paged_backend/tp/"
 
 
-class WorkerFailedError(RuntimeError):
+class WorkerFailedError(EngineDeadError):
     """A tensor-parallel rank died or failed; the engine cannot continue."""
 
 

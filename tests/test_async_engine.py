@@ -51,8 +51,10 @@ def test_cancelling_a_stream_aborts_the_request_and_frees_blocks():
             if len(out.outputs[0].token_ids) >= 3:
                 break
         task = asyncio.ensure_future(collect(engine, "Cancelled as a task", SamplingParams(max_tokens=500,
-                                                                                          ignore_eos=True)))
-        await asyncio.sleep(0.05)
+                                                                                          ignore_eos=True),
+                                             "cancel-me"))
+        while "cancel-me" not in engine.engine.groups:
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -63,6 +65,9 @@ def test_cancelling_a_stream_aborts_the_request_and_frees_blocks():
     seen, stats = asyncio.run(main())
     assert len(seen[-1].outputs[0].token_ids) == 3
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0 and stats.num_waiting == 0
+    # both ended as aborted, long before the 200 and 500 tokens they asked for
+    assert stats.num_requests_aborted == 2 and stats.num_requests_finished == 2
+    assert stats.num_generated_tokens < 100
 
 
 def test_a_bad_request_fails_alone():

@@ -118,3 +118,24 @@ def test_beam_forks_copy_only_the_partly_filled_block():
         steps += 1
     # at most one copy per new beam per step (a fork that then writes into a shared partial block)
     assert 0 < engine.get_stats().num_copy_on_write <= 4 * steps
+
+
+@pytest.mark.parametrize("stops", [["kef", "Structures"], [" Here"], ["ymbol"]])
+@pytest.mark.parametrize("n", [1, 3])
+def test_beam_search_with_stop_strings_matches_hf(stops, n):
+    """A candidate whose text completes a stop string ends like EOS does (transformers' `stop_strings`)."""
+    model, tok = get_model("tiny-llama")
+    llm = LLM(model, tokenizer=tok, num_blocks=256, block_size=8)
+    prompt = "The capital of France is"
+    out = llm.generate([prompt], SamplingParams(beam_width=3, n=n, temperature=0, max_tokens=12, stop=stops),
+                       use_tqdm=False)[0]
+    ids = tok(prompt, return_tensors="pt")
+    ref = model.generate(**ids, num_beams=3, num_return_sequences=n, do_sample=False, max_new_tokens=12,
+                         stop_strings=stops, tokenizer=tok, pad_token_id=0, eos_token_id=EOS)
+    for c, row in zip(out.outputs, ref[:, ids.input_ids.shape[1]:].tolist()):
+        assert row[:len(c.token_ids)] == c.token_ids and set(row[len(c.token_ids):]) <= {0, EOS}, (row, c.token_ids)
+        if c.finish_reason == "stop" and c.stop_reason in stops:
+            full = tok.decode(c.token_ids)
+            assert c.stop_reason in full and c.stop_reason not in c.text and full.startswith(c.text)
+    assert len(out.outputs) == n
+    assert_no_leaks(llm.engine)

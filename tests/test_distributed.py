@@ -20,7 +20,9 @@ from conftest import assert_no_leaks, get_model
 from paged_backend import LLM, SamplingParams
 from paged_backend.cache_engine import CacheEngine, kv_geometry
 from paged_backend.distributed import WorkerFailedError
-from paged_backend.model_runner import ModelRunner, StepInputs
+from paged_backend.errors import EngineDeadError
+from paged_backend.model_runner import ModelRunner
+from paged_backend.step_inputs import StepInputs
 from paged_backend.tp_sharding import build_plan, shard_model, weights_fingerprint
 from paged_backend.tp_worker import RankState, WorkerSetup, pack_step, unpack_step
 
@@ -258,10 +260,11 @@ def test_killed_worker_fails_the_engine_within_seconds():
         print(f"worker killed -> WorkerFailedError after {latency:.3f} s: {info.value}")
         assert latency < 30, "liveness: the failure must surface promptly, not after a collective timeout"
         assert "cannot continue" in str(info.value)
-        engine.add_request("after", PROMPTS[0], params)  # later steps fail at once, with the same message
-        with pytest.raises(WorkerFailedError, match="rank 1"):
+        assert not engine.has_unfinished_requests()  # every request failed with the engine
+        with pytest.raises(EngineDeadError, match="rank 1"):  # and it takes no more, with the same message
+            engine.add_request("after", PROMPTS[0], params)
+        with pytest.raises(EngineDeadError, match="rank 1"):
             engine.step()
-        engine.abort_request("after")
     finally:
         shut_down(llm)
 
