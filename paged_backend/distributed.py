@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .model_runner import StepInputs
+from .step_inputs import StepInputs
 from .tp_sharding import build_plan, shard_model, weights_fingerprint
 from .tp_worker import (CMD_REPORT, CMD_SHUTDOWN, HEADER_LEN, STORE_PREFIX, ProcessGroupComm, RankState,
                         WorkerFailedError, WorkerSetup, destroy_groups, init_groups, pack_step, run_worker)

@@ -18,7 +18,7 @@ class LLM:
     """Generate for many prompts at once; all run through continuous batching."""
 
     def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
-                 dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                 dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
                  **engine_options) -> None:
         self.engine = LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device, **engine_options)
         self._ids = itertools.count()

@@ -21,6 +21,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import torch  # noqa: E402
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DTYPE = torch.float32
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64}
 CACHE_FORMAT = "v1"
 
 
@@ -133,17 +137,40 @@ def _load_tiny(name: str, dtype: torch.dtype, seed: int):
     return model.to(dtype), tokenizer
 
 
-def load_model(name_or_path: Union[str, os.PathLike] = "smollm2", dtype: torch.dtype = torch.float32,
+def resolve_dtype(dtype: Union[torch.dtype, str, None]) -> Union[torch.dtype, str]:
+    """A torch dtype from a dtype, a name ("float32", "bf16", ...), None (float32, the default) or "auto"
+    (kept: the checkpoint's own dtype)."""
+    if dtype is None:
+        return DEFAULT_DTYPE
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        return "auto"
+    if isinstance(dtype, str) and dtype.strip().lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.strip().lower()]
+    raise ValueError(f"dtype must be a torch.dtype, 'auto' or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+
+
+def check_module_dtype(model: torch.nn.Module, dtype: Union[torch.dtype, str, None]) -> None:
+    """A model passed as a module is used as it is: refuse a `dtype` that says otherwise."""
+    wanted = None if dtype is None else resolve_dtype(dtype)
+    have = next(model.parameters()).dtype
+    if wanted not in (None, "auto") and wanted != have:
+        raise ValueError(f"the model passed in is {have} but dtype={wanted} was asked for; convert it first "
+                         f"(model.to({wanted})) or leave dtype unset to use the model as it is")
+
+
+def load_model(name_or_path: Union[str, os.PathLike] = "smollm2", dtype: Union[torch.dtype, str, None] = None,
                device: Union[str, torch.device] = "cpu", trust_remote_code: bool = False, seed: int = 0
                ) -> Tuple[torch.nn.Module, object]:
-    """(model, tokenizer) for a preset name or a local Hugging Face model directory, in eval mode."""
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    """(model, tokenizer) for a preset name or a local Hugging Face model directory, in eval mode.
+    dtype: float32 by default; "auto" keeps a checkpoint's own dtype (presets are float32)."""
+    dtype = resolve_dtype(dtype)
     name = str(name_or_path)
     if name in TINY_PRESETS:
-        model, tokenizer = _load_tiny(name, dtype, seed)
+        model, tokenizer = _load_tiny(name, DEFAULT_DTYPE if dtype == "auto" else dtype, seed)
     elif name == "smollm2":
-        model, tokenizer = _load_dir(_smollm2_model_dir(), dtype, False)
+        model, tokenizer = _load_dir(_smollm2_model_dir(), DEFAULT_DTYPE if dtype == "auto" else dtype, False)
     elif Path(name).is_dir():
         model, tokenizer = _load_dir(Path(name), dtype, trust_remote_code)
     else:
@@ -152,7 +179,7 @@ def load_model(name_or_path: Union[str, os.PathLike] = "smollm2", dtype: torch.d
     return model.to(device).eval(), tokenizer
 
 
-def _load_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool):
+def _load_dir(path: Path, dtype: Union[torch.dtype, str], trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

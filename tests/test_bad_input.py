@@ -103,3 +103,24 @@ def test_models_without_the_attention_interface_are_refused_by_name():
 
     with pytest.raises(ValueError, match="Linear is not a Hugging Face causal language model"):
         LLMEngine(torch.nn.Linear(2, 2), num_blocks=4)
+
+
+def test_a_loaded_model_is_used_as_it_is_or_refused_with_a_dtype_that_disagrees():
+    import torch
+
+    model, tok = get_model("tiny-llama")  # float64
+    with pytest.raises(ValueError, match="float64 but dtype=torch.float32 was asked for"):
+        LLM(model, tokenizer=tok, dtype=torch.float32, num_blocks=8)
+    with pytest.raises(ValueError, match="float64 but dtype=torch.bfloat16"):
+        LLM(model, tokenizer=tok, dtype="bf16", num_blocks=8)
+    for dtype in (None, "auto", torch.float64, "float64"):
+        assert LLM(model, tokenizer=tok, dtype=dtype, num_blocks=8).engine.dtype == torch.float64
+
+
+def test_stop_strings_need_a_tokenizer():
+    model, _ = get_model("tiny-llama")
+    engine = LLMEngine(model, num_blocks=8)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request("x", [5, 6, 7], SamplingParams(stop=["the end"], max_tokens=3))
+    engine.add_request("y", [5, 6, 7], SamplingParams(stop_token_ids=[9], max_tokens=3))
+    assert len(run_to_completion(engine)["y"].outputs[0].token_ids) <= 3

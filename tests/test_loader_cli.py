@@ -38,7 +38,9 @@ def test_unknown_model_lists_presets():
         load_model("gpt-17")
     assert all(p in str(err.value) for p in PRESETS)
     with pytest.raises(ValueError, match="dtype"):
-        load_model("tiny-llama", dtype="float32")
+        load_model("tiny-llama", dtype="float8")
+    assert next(load_model("tiny-llama", dtype="bf16")[0].parameters()).dtype == torch.bfloat16
+    assert next(load_model("tiny-llama", dtype="auto")[0].parameters()).dtype == torch.float32
 
 
 def test_local_hf_directory(tmp_path):

@@ -1,0 +1,48 @@
+"""What a model runner needs for one step, and the small protocol every runner implements.
+
+The engine builds `StepInputs` (see `input_builder.py`); a runner (`ModelRunner`, or the
+tensor-parallel runner that forwards them to every rank) executes them. Device-side code imports this
+module and nothing above it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Dict, List, Protocol, Tuple
+
+import torch
+
+
+@dataclass
+class StepInputs:
+    """Everything a worker needs to run one step (rank 0 builds it; tensor-parallel ranks receive it)."""
+
+    input_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    slot_mapping: torch.Tensor     # [T]
+    block_tables: torch.Tensor     # [S, max_blocks] int32
+    context_lens: torch.Tensor     # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    sample_indices: torch.Tensor   # [N] rows whose logits the sampler needs
+    swap_out: Dict[int, int] = field(default_factory=dict)
+    swap_in: Dict[int, int] = field(default_factory=dict)
+    copies: List[Tuple[int, int]] = field(default_factory=list)
+
+    def to(self, device) -> "StepInputs":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return StepInputs(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                             for k, v in values.items()})
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class Runner(Protocol):
+    """What the engine calls on a model runner, and nothing else."""
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Apply the step's swaps and copies, run the model, return logits of the sampled rows."""
+
+    def shutdown(self) -> None:
+        """Release workers and the KV cache."""
