@@ -15,6 +15,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from paged_backend.loader import load_model  # noqa: E402
 
 TINY_MODELS = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stress-seeds", type=int, default=3,
+                     help="random workloads the differential stress test runs per dtype (default 3)")
 _cache = {}
 
 

@@ -1,10 +1,11 @@
-"""Soak: a thousand random requests, a fifth aborted mid-way, a cache small enough to preempt often."""
+"""Soak: a thousand random requests, a fifth aborted mid-way, a cache small enough to preempt often. Every
+request that is deterministic (greedy, seeded or beam search) must give the tokens it gives on a roomy engine."""
 
 from __future__ import annotations
 
 import random
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import LLMEngine, SamplingParams
 
 WORDS = "the a of memory block page cache token attention key value swap copy write share".split()
@@ -68,3 +69,14 @@ def test_soak_with_aborts_and_both_preemption_kinds():
             continue
         check_finished(results[rid], params)
     assert len(aborted) > 100
+    deterministic = {rid: r for rid, r in requests.items()
+                     if rid not in aborted and (r[1].temperature == 0 or r[1].seed is not None)}
+    roomy = LLMEngine(model, tokenizer=tok, num_blocks=4096, block_size=8, max_num_seqs=256,
+                      max_num_batched_tokens=4096)
+    for rid, (prompt, params) in deterministic.items():
+        roomy.add_request(rid, prompt, params)
+    expected = run_to_completion(roomy)
+    assert roomy.get_stats().num_preemptions == 0
+    for rid in deterministic:
+        assert [c.token_ids for c in results[rid].outputs] == [c.token_ids for c in expected[rid].outputs], rid
+    assert len(deterministic) > 300
