@@ -13,7 +13,8 @@ from .cache_engine import CacheEngine, KVGeometry, kv_geometry
 from .config import EngineConfig
 from .detokenizer import decode_new_text, find_stop_string
 from .metrics import Counters, EngineStats
-from .model_runner import ModelRunner, check_model_supported, prepare_inputs
+from .model_runner import ModelRunner, prepare_inputs
+from .model_support import check_model_supported
 from .output_builder import OutputBuilder
 from .outputs import RequestOutput
 from .sampler import SampleRequest, Sampler
