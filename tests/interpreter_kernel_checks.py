@@ -183,6 +183,10 @@ def test_dispatch_honours_the_environment(monkeypatch):
     out = kernels.paged_attention(*inputs.args(), out=nan_like(inputs.query))
     assert calls == [1]
     _check_against_reference(inputs, out, torch.float32, "dispatch")
+    variant = variant_kwargs("all", case_seed("dispatch-variant"), 4, torch.float32, 3)
+    out = kernels.paged_attention(*inputs.args(), out=nan_like(inputs.query), **variant)
+    assert calls == [1, 1]
+    _check_against_reference(inputs, out, torch.float32, "dispatch with a window, a cap and sinks", **variant)
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "auto")
     assert kernels.kernel_backend(inputs.key_cache) == "torch"   # CPU tensors
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "cuda")
@@ -277,6 +281,23 @@ def test_engine_greedy_tokens_match_reference_kernels(monkeypatch):
     assert calls["reshape_and_cache"] > 0 and calls["paged_attention"] > 0
     assert calls["copy_blocks"] > 0, "the beam search should have copied a shared block"
     assert hits > 0, "the second prompt should reuse the cached prefix"
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gpt-oss"])
+def test_engine_runs_windows_softcaps_and_sinks_through_the_kernels(name, monkeypatch):
+    """Gemma 2 (window + soft-cap, full + soft-cap) and gpt-oss (window + sinks, full + sinks): the Triton
+    kernels give the reference's greedy tokens over a prompt longer than the window, chunked prefill included."""
+    from conftest import get_model
+
+    model, tokenizer = get_model(name, torch.float32)
+    prompt = "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("PAGED_BACKEND_KERNELS", backend)
+        llm = LLM(model, tokenizer=tokenizer, num_blocks=16, block_size=8, max_num_batched_tokens=12)
+        tokens[backend] = _generate_all(llm, [prompt], params)
+    assert tokens["triton"] == tokens["torch"]
 
 
 def test_interpreter_accepts_a_dot_the_gpu_compiler_rejects():
