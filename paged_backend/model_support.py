@@ -12,9 +12,10 @@ image-token masks are refused even when a short probe could not tell them apart.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -92,30 +93,38 @@ def _check_config(model: torch.nn.Module) -> None:
 
 
 # ---- the probe forward -----------------------------------------------------------------------------
-def _probe_attention_function(calls: List[_ProbeCall]) -> Callable:
-    def probe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        options = attention_options(module, dropout, kwargs)
-        layer = getattr(module, "layer_idx", None)
-        kind = LayerAttention(options.sliding_window, options.softcap, options.sinks is not None)
-        calls.append(_ProbeCall(layer if isinstance(layer, int) else -1, module, kind, query.shape[1],
-                                key.shape[1], key.shape[-1], attention_mask))
-        return torch.zeros_like(query).transpose(1, 2).contiguous(), None
-    return probe
+@dataclass
+class _ProbeRecord:
+    """What one probe forward saw: the attention calls and the masks transformers built."""
+
+    calls: List[_ProbeCall] = field(default_factory=list)
+    masks: Masks = field(default_factory=dict)
 
 
-def _probe_mask_function(masks: Masks) -> Callable:
+_probe_local = threading.local()   # the running probe's record (registrations are global, records per thread)
+
+
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Records the layer's call (validating its keywords) and returns zeros of the right shape."""
+    options = attention_options(module, dropout, kwargs)
+    layer = getattr(module, "layer_idx", None)
+    kind = LayerAttention(options.sliding_window, options.softcap, options.sinks is not None)
+    _probe_local.record.calls.append(_ProbeCall(layer if isinstance(layer, int) else -1, module, kind,
+                                                query.shape[1], key.shape[1], key.shape[-1], attention_mask))
+    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+
+
+def _probe_mask(*args, **kwargs):
     """Builds the real boolean mask (no skipping) and remembers which pattern function made it (the
-    dict keeps each mask alive, so ids stay unique)."""
-    def probe_mask(*args, **kwargs):
-        from transformers.masking_utils import causal_mask_function, sdpa_mask
+    record keeps each mask alive, so ids stay unique)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-        mask = sdpa_mask(*args, **kwargs)
-        if mask is None:
-            mask = torch.ones(1, dtype=torch.bool)
-        masks[id(mask)] = (mask, kwargs.get("mask_function", causal_mask_function))
-        return mask
-    return probe_mask
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is None:
+        mask = torch.ones(1, dtype=torch.bool)
+    _probe_local.record.masks[id(mask)] = (mask, kwargs.get("mask_function", causal_mask_function))
+    return mask
 
 
 class _NoCommunication:
@@ -126,30 +135,31 @@ class _NoCommunication:
 
 
 @contextmanager
-def _probe_backend(model: torch.nn.Module, calls: List[_ProbeCall], masks: Masks) -> Iterator[None]:
+def _probe_backend(model: torch.nn.Module, record: _ProbeRecord) -> Iterator[None]:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     from .tp_sharding import tensor_parallel_context
 
-    AttentionInterface.register(PROBE_NAME, _probe_attention_function(calls))
-    AttentionMaskInterface.register(PROBE_NAME, _probe_mask_function(masks))
+    AttentionInterface.register(PROBE_NAME, _probe_attention)
+    AttentionMaskInterface.register(PROBE_NAME, _probe_mask)
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = PROBE_NAME
+    _probe_local.record = record
     try:
         with tensor_parallel_context(_NoCommunication()):
             yield
     finally:
         config._attn_implementation = previous
+        _probe_local.record = None
 
 
-def _run_probe(model: torch.nn.Module) -> Tuple[List[_ProbeCall], Masks]:
-    calls: List[_ProbeCall] = []
-    masks: Masks = {}
+def _run_probe(model: torch.nn.Module) -> _ProbeRecord:
+    record = _ProbeRecord()
     device = next(model.parameters()).device
     ids = torch.arange(1, PROBE_TOKENS + 1, device=device)[None]
-    with torch.inference_mode(), _probe_backend(model, calls, masks):
+    with torch.inference_mode(), _probe_backend(model, record):
         try:
             model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device=device)[None], use_cache=False)
         except ValueError:
@@ -157,7 +167,7 @@ def _run_probe(model: torch.nn.Module) -> Tuple[List[_ProbeCall], Masks]:
         except Exception as error:  # noqa: BLE001 - any failure means the model cannot run paged
             raise _refuse(model, f"a probe forward with transformers' attention interface failed: "
                                  f"{type(error).__name__}: {error}") from error
-    return calls, masks
+    return record
 
 
 # ---- checking the probe -----------------------------------------------------------------------------
@@ -243,8 +253,8 @@ def probe_attention(model: torch.nn.Module) -> List[LayerAttention]:
     cached = _probed.get(model)
     if cached is not None:
         return cached
-    calls, masks = _run_probe(model)
-    kinds = _check_calls(model, calls, masks)
+    record = _run_probe(model)
+    kinds = _check_calls(model, record.calls, record.masks)
     _probed[model] = kinds
     return kinds
 
