@@ -1,6 +1,6 @@
 """Modern attention families through the paged engine equal transformers' own `generate`, token for token.
 
-Tiny random models (loader presets, windows of 8 tokens, block size 8): Mistral, Phi-3, Starcoder2
+Tiny random models (loader presets, windows of 8 tokens, blocks of 4, 8 and 16 tokens): Mistral, Phi-3, Starcoder2
 (window on every layer), Qwen2 (`use_sliding_window`, one full and one windowed layer), Gemma 2
 (logit soft-cap on every layer, alternating window / full), Gemma 3 (local / global), Cohere2
 (window / full), gpt-oss (sinks, window / full). Prompts are longer than the window and generations
@@ -65,11 +65,13 @@ def test_greedy_matches_hf_with_chunked_prefill_and_prefix_caching(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode, block_size, num_blocks", [("recompute", 4, 20), ("swap", 16, 5)])
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
-def test_greedy_matches_hf_under_preemption(name, mode, dtype):
+def test_greedy_matches_hf_under_preemption(name, mode, block_size, num_blocks, dtype):
+    """80 cache slots for four sequences of up to 45 tokens; blocks of 4 (a window spans three blocks) and
+    of 16 (a window lies within one or two)."""
     model, tok = get_model(name, dtype)
-    llm = LLM(model, tokenizer=tok, num_blocks=10, block_size=8, preemption_mode=mode)
+    llm = LLM(model, tokenizer=tok, num_blocks=num_blocks, block_size=block_size, preemption_mode=mode)
     assert _greedy(llm, PROMPTS) == hf_greedy(name, dtype)
     stats = llm.get_stats()
     assert (stats.num_swap_preemptions if mode == "swap" else stats.num_recompute_preemptions) > 0
