@@ -69,7 +69,8 @@ class AttentionOptions:
     sinks: Optional[torch.Tensor] = None   # [num_heads] logits (transformers' s_aux)
 
 
-def _owner(module: torch.nn.Module) -> str:
+def describe_module(module: torch.nn.Module) -> str:
+    """"Model class (attention class of layer N)", for error messages."""
     model = _model_names.get(module)
     layer = getattr(module, "layer_idx", None)
     where = f"{type(module).__name__}" + (f" of layer {layer}" if layer is not None else "")
@@ -91,20 +92,20 @@ def attention_options(module: torch.nn.Module, dropout: Any, kwargs: Dict[str, A
     """The variant an attention call asks for; ValueError naming the model class and the keyword for
     anything the paged backend does not implement."""
     if dropout not in (None, 0, 0.0):
-        raise ValueError(f"{_owner(module)}: attention dropout={_short(dropout)} is not implemented by the paged "
-                         f"backend (the engine runs models in eval mode)")
+        raise ValueError(f"{describe_module(module)}: attention dropout={_short(dropout)} is not implemented by "
+                         f"the paged backend (the engine runs models in eval mode)")
     for name, value in kwargs.items():
         if name in APPLIED_KEYWORDS or name in NO_EFFECT_KEYWORDS or _is_default(name, value):
             continue
-        raise ValueError(f"{_owner(module)}: the attention keyword {name}={_short(value)} is not implemented by "
-                         f"the paged backend; refusing rather than ignoring it")
+        raise ValueError(f"{describe_module(module)}: the attention keyword {name}={_short(value)} is not "
+                         f"implemented by the paged backend; refusing rather than ignoring it")
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"{_owner(module)}: sliding_window must be a positive int, got {_short(window)}")
+        raise ValueError(f"{describe_module(module)}: sliding_window must be a positive int, got {_short(window)}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
-        raise ValueError(f"{_owner(module)}: softcap must be a positive number, got {_short(softcap)}")
+        raise ValueError(f"{describe_module(module)}: softcap must be a positive number, got {_short(softcap)}")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1):
-        raise ValueError(f"{_owner(module)}: s_aux must be a tensor [num_heads], got {_short(sinks)}")
+        raise ValueError(f"{describe_module(module)}: s_aux must be a tensor [num_heads], got {_short(sinks)}")
     return AttentionOptions(window, None if softcap is None else float(softcap), sinks)
 
 
@@ -140,17 +141,20 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if metadata is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if kwargs.get("s_aux") is not None:   # SDPA would ignore the sinks (it refuses softcap itself)
+            raise ValueError(f"{describe_module(module)}: outside an engine step this attention function falls "
+                             f"back to SDPA, which cannot apply attention sinks (s_aux)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     options = attention_options(module, dropout, kwargs)
     if attention_mask is not None:
-        raise ValueError(f"{_owner(module)}: the model passed its own attention mask; the paged backend applies "
-                         f"causal (and sliding-window) masking itself and cannot reproduce other masks")
+        raise ValueError(f"{describe_module(module)}: the model passed its own attention mask; the paged backend "
+                         f"applies causal (and sliding-window) masking itself and cannot reproduce other masks")
     if query.shape[0] != 1:
         raise RuntimeError("the paged attention path expects the step packed as one row")
     if options.sinks is not None and options.sinks.shape[0] != query.shape[1]:
-        raise ValueError(f"{_owner(module)}: s_aux has {options.sinks.shape[0]} sinks for {query.shape[1]} query "
-                         f"heads (sinks are not sharded over tensor-parallel ranks)")
+        raise ValueError(f"{describe_module(module)}: s_aux has {options.sinks.shape[0]} sinks for {query.shape[1]} "
+                         f"query heads (sinks are not sharded over tensor-parallel ranks)")
     key_cache, value_cache = metadata.kv_caches[_layer_index(module, metadata)]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)

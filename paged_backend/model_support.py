@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .attention import attention_options, name_attention_modules
+from .attention import attention_options, describe_module, name_attention_modules
 
 PROBE_NAME = "paged_backend_probe"
 PROBE_TOKENS = 4
@@ -107,6 +107,9 @@ _probe_local = threading.local()   # the running probe's record (registrations a
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Records the layer's call (validating its keywords) and returns zeros of the right shape."""
     options = attention_options(module, dropout, kwargs)
+    if options.sinks is not None and options.sinks.shape[0] != query.shape[1]:
+        raise ValueError(f"{describe_module(module)}: s_aux has {options.sinks.shape[0]} sinks for {query.shape[1]} "
+                         f"query heads (sinks are not sharded over tensor-parallel ranks)")
     layer = getattr(module, "layer_idx", None)
     kind = LayerAttention(options.sliding_window, options.softcap, options.sinks is not None)
     _probe_local.record.calls.append(_ProbeCall(layer if isinstance(layer, int) else -1, module, kind,

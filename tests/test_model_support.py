@@ -51,12 +51,24 @@ def _qwen2_window_differs_from_mask():
     return model
 
 
+def _gpt_oss_with_too_few_sinks():
+    """As a tensor-parallel shard would be if its query heads were split but not its sinks."""
+    from paged_backend.loader import load_model
+
+    model, _ = load_model("tiny-gpt-oss")
+    for layer in model.model.layers:
+        layer.self_attn.sinks = torch.nn.Parameter(layer.self_attn.sinks.detach()[:2].clone())
+    return model
+
+
 REFUSED = {
     "bidirectional": (_gemma3_bidirectional, "Gemma3ForCausalLM is not supported: its attention is bidirectional"),
     "chunked": (_llama4_chunked, "Llama4ForCausalLM is not supported: it uses chunked attention"),
     "convolution-layers": (_lfm2_convolutions, "Lfm2ForCausalLM is not supported: it has layers of type conv"),
     "window-mismatch": (_qwen2_window_differs_from_mask,
                         "Qwen2ForCausalLM is not supported: layer 1 .* masks query .* window of 5"),
+    "unsharded-sinks": (_gpt_oss_with_too_few_sinks,
+                        r"GptOssForCausalLM \(GptOssAttention of layer 0\): s_aux has 2 sinks for 4 query heads"),
 }
 
 
@@ -117,6 +129,17 @@ def test_default_valued_and_no_effect_keywords_are_accepted():
     engine = LLMEngine(_mistral_passing(future_feature=None, is_causal=True, output_attentions=False),
                        num_blocks=8, block_size=8)
     assert model_support.describe_attention(engine.model) == ["layers 0-1 (2 of 2): window 8"]
+
+
+def test_outside_a_step_the_sdpa_fallback_refuses_sinks():
+    from paged_backend.attention import paged_attention_forward
+
+    q = torch.zeros(1, 4, 3, 16)
+    k = torch.zeros(1, 4, 3, 16)
+    out, _ = paged_attention_forward(torch.nn.Module(), q, k, k, None, sliding_window=8)
+    assert out.shape == (1, 3, 4, 16)
+    with pytest.raises(ValueError, match="cannot apply attention sinks"):
+        paged_attention_forward(torch.nn.Module(), q, k, k, None, s_aux=torch.zeros(4))
 
 
 def test_attention_options_read_the_applied_keywords():
