@@ -70,26 +70,34 @@ def check_attention_cases(device: str = "cuda") -> List[str]:
     """Triton paged attention vs the reference (computed in fp32) on CUDA; returns failure lines."""
     from paged_backend.kernels import reference, triton_kernels
 
-    cases = [  # (context_lens, query_lens, heads, kv_heads, head_size, block_size, num_splits)
-        ([1, 17, 64, 300], [1, 1, 1, 1], 32, 8, 128, 16, None),
-        ([1, 17, 64, 300], [1, 1, 1, 1], 12, 4, 96, 8, None),
-        ([33, 130, 7], [33, 20, 1], 8, 8, 64, 32, None),
-        ([500, 1000], [100, 1], 12, 2, 80, 128, None),
-        ([4000, 1], [1, 1], 32, 8, 128, 16, 16),
-        ([700, 90], [50, 1], 9, 3, 64, 64, 4),
+    cases = [  # (context_lens, query_lens, heads, kv_heads, head_size, block_size, num_splits, variant)
+        ([1, 17, 64, 300], [1, 1, 1, 1], 32, 8, 128, 16, None, {}),
+        ([1, 17, 64, 300], [1, 1, 1, 1], 12, 4, 96, 8, None, {}),
+        ([33, 130, 7], [33, 20, 1], 8, 8, 64, 32, None, {}),
+        ([500, 1000], [100, 1], 12, 2, 80, 128, None, {}),
+        ([4000, 1], [1, 1], 32, 8, 128, 16, 16, {}),
+        ([700, 90], [50, 1], 9, 3, 64, 64, 4, {}),
+        # Sliding window, soft-cap (Gemma 2: head size 256) and sinks (gpt-oss), decode / prefill / split.
+        ([1, 17, 300, 2000], [1, 1, 1, 1], 8, 4, 256, 16, None, dict(sliding_window=128, softcap=50.0)),
+        ([200, 600, 9], [200, 64, 9], 8, 4, 256, 16, None, dict(sliding_window=100, softcap=50.0)),
+        ([4000, 130], [1, 1], 64, 8, 64, 16, 8, dict(sliding_window=1000, sinks=True)),
+        ([300, 1000], [300, 40], 64, 8, 64, 16, None, dict(sliding_window=128, sinks=True)),
     ]
     failures = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for i, (ctx, qlens, heads, kv_heads, head, bs, splits) in enumerate(cases):
+        for i, (ctx, qlens, heads, kv_heads, head, bs, splits, variant) in enumerate(cases):
             batch = make_batch(ctx, qlens, heads, kv_heads, head, bs, dtype, device=device, seed=i)
+            if variant.get("sinks"):
+                variant = dict(variant, sinks=torch.randn(heads, device=device))
             out = torch.full_like(batch.query, float("nan"))
-            triton_kernels.paged_attention(*batch.args(), out=out, num_splits=splits)
+            triton_kernels.paged_attention(*batch.args(), out=out, num_splits=splits, **variant)
             f32 = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in batch.args()]
-            want = reference.paged_attention(*f32)
+            want = reference.paged_attention(*f32, **variant)
             error = _max_error(out, want)
             status = "ok" if error <= TOLERANCE[dtype] else "FAIL"
-            line = f"attention {dtype} case {i} (ctx {ctx}, q {qlens}, {heads}/{kv_heads} heads, d{head}, bs{bs}): " \
-                   f"max error {error:.2e} {status}"
+            shown = {k: (v if not torch.is_tensor(v) else "yes") for k, v in variant.items()}
+            line = f"attention {dtype} case {i} (ctx {ctx}, q {qlens}, {heads}/{kv_heads} heads, d{head}, bs{bs}" \
+                   f"{', ' + str(shown) if shown else ''}): max error {error:.2e} {status}"
             print(line)
             if status != "ok":
                 failures.append(line)

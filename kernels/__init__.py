@@ -54,14 +54,17 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, out: Optional[torch.Tensor] = None,
-                    plan: Optional[AttentionPlan] = None) -> torch.Tensor:
-    """Attention over a paged KV cache for decode and (chunked) prefill queries, GQA included."""
+                    plan: Optional[AttentionPlan] = None, sliding_window: Optional[int] = None,
+                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention over a paged KV cache for decode and (chunked) prefill queries, GQA included, with an
+    optional sliding window, logit soft-cap and per-head sinks (see variant.py)."""
     impl = _impl(key_cache)
+    variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     if impl is reference:
         return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                         query_start_loc, scale, out=out, plan=plan)
+                                         query_start_loc, scale, out=out, plan=plan, **variant)
     return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-                                scale, out=out)
+                                scale, out=out, **variant)
 
 
 def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],

@@ -3,7 +3,8 @@
 Cache layout (per layer): key_cache, value_cache `[num_blocks, block_size, num_kv_heads, head_size]`.
 A slot is `block * block_size + offset`. Sequence `s` owns query rows
 `query_start_loc[s] : query_start_loc[s + 1]`; they are the last tokens of its `context_lens[s]`
-tokens, so query row `i` of a sequence with `q` new tokens sees keys `0 .. context_len - q + i`.
+tokens, so query row `i` of a sequence with `q` new tokens sees keys `0 .. context_len - q + i` (only
+the last `sliding_window` of them when a window is given; see variant.py for the variants).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from .variant import check_attention_variant
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -38,41 +41,60 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
 
 @dataclass
 class AttentionPlan:
-    """Which cache blocks to gather and which keys each query sees, shared by all layers of a step.
+    """Which cache blocks to gather and which keys each query sees, shared by the layers of a step that
+    use the same sliding window.
 
     Single-token queries (decode) run as one batch; multi-token queries (prefill chunks) as another,
     each padded to its longest member. K/V are gathered a whole block at a time (block-table rows),
-    which moves far fewer index entries than gathering slot by slot.
+    which moves far fewer index entries than gathering slot by slot. With a sliding window only the
+    blocks that hold a visible key are gathered (block-table columns before them are never read).
     """
 
     decode_rows: torch.Tensor      # [Sd] query rows
-    decode_blocks: torch.Tensor    # [Sd, Bd] blocks holding their context (block 0 where padded)
+    decode_blocks: torch.Tensor    # [Sd, Bd] blocks holding their visible context (block 0 where padded)
     decode_mask: torch.Tensor      # [Sd, 1, 1, Bd * block_size] True where attended
     prefill_rows: torch.Tensor     # [Sp, Qp] query rows (0 where padded)
     prefill_valid: torch.Tensor    # [Sp, Qp]
     prefill_blocks: torch.Tensor   # [Sp, Bp]
     prefill_mask: torch.Tensor     # [Sp, 1, Qp, Bp * block_size]
+    sliding_window: Optional[int] = None
 
 
-def _context_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
-    """The block-table columns covering the longest context, and which key positions are real."""
-    length = int(context_lens.max()) if context_lens.numel() else 0
-    num_blocks = -(-length // block_size)
-    blocks = block_tables[:, :num_blocks].to(torch.long)
-    pos = torch.arange(num_blocks * block_size, device=block_tables.device)
-    valid = pos[None, :] < context_lens[:, None]
-    used = torch.arange(num_blocks, device=block_tables.device)[None, :] * block_size < context_lens[:, None]
-    return torch.where(used, blocks, torch.zeros_like(blocks)), valid
+def _context_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, first_keys: torch.Tensor,
+                    block_size: int):
+    """The blocks holding keys `first_keys[s] .. context_lens[s] - 1` of each sequence (a window of
+    block-table columns starting at the block of its first key), those keys' positions, and which
+    gathered positions are real keys of that range."""
+    first_blocks = first_keys // block_size
+    counts = -(-context_lens // block_size) - first_blocks
+    width = int(counts.max()) if counts.numel() else 0
+    offsets = torch.arange(width, device=block_tables.device)
+    columns = first_blocks[:, None] + offsets[None, :]
+    used = offsets[None, :] < counts[:, None]
+    blocks = block_tables.to(torch.long).gather(1, torch.where(used, columns, torch.zeros_like(columns)))
+    positions = first_blocks[:, None] * block_size + torch.arange(width * block_size, device=block_tables.device)
+    valid = (positions < context_lens[:, None]) & (positions >= first_keys[:, None])
+    return torch.where(used, blocks, torch.zeros_like(blocks)), positions, valid
+
+
+def _first_keys(first_query_pos: torch.Tensor, sliding_window: Optional[int]) -> torch.Tensor:
+    """The lowest key position any query of a sequence sees (0 without a window)."""
+    if sliding_window is None:
+        return torch.zeros_like(first_query_pos)
+    return (first_query_pos - sliding_window + 1).clamp(min=0)
 
 
 def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
-    """Build the gather plan once per step (it depends only on the step's metadata)."""
+                         query_start_loc: torch.Tensor, block_size: int,
+                         sliding_window: Optional[int] = None) -> AttentionPlan:
+    """Build the gather plan once per step and window (it depends only on the step's metadata)."""
     context_lens = context_lens.to(torch.long)
     starts = query_start_loc.to(torch.long)
     q_lens = starts[1:] - starts[:-1]
     is_decode = q_lens == 1
-    d_blocks, d_valid = _context_blocks(block_tables[is_decode], context_lens[is_decode], block_size)
+    d_ctx = context_lens[is_decode]
+    d_blocks, _, d_valid = _context_blocks(block_tables[is_decode], d_ctx, _first_keys(d_ctx - 1, sliding_window),
+                                           block_size)
     p_idx = (~is_decode).nonzero().flatten()
     p_q = q_lens[p_idx]
     p_ctx = context_lens[p_idx]
@@ -80,15 +102,19 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
     qi = torch.arange(q_pad, device=starts.device)
     p_valid = qi[None, :] < p_q[:, None]
     p_rows = torch.where(p_valid, starts[p_idx][:, None] + qi[None, :], torch.zeros_like(qi)[None, :])
-    p_blocks, p_kvalid = _context_blocks(block_tables[p_idx], p_ctx, block_size)
-    kj = torch.arange(p_kvalid.shape[1], device=starts.device)
-    last_visible = (p_ctx - p_q)[:, None] + qi[None, :]                       # [Sp, Qp]
-    p_mask = p_kvalid[:, None, :] & (kj[None, None, :] <= last_visible[:, :, None])
+    p_first_pos = p_ctx - p_q
+    p_blocks, p_pos, p_kvalid = _context_blocks(block_tables[p_idx], p_ctx, _first_keys(p_first_pos, sliding_window),
+                                                block_size)
+    q_pos = p_first_pos[:, None] + qi[None, :]                                 # [Sp, Qp]
+    p_mask = p_kvalid[:, None, :] & (p_pos[:, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        p_mask &= p_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     if p_mask.numel():
         p_mask[:, :, 0] |= ~p_valid  # padded query rows see one key so softmax stays finite
     return AttentionPlan(
         decode_rows=starts[:-1][is_decode], decode_blocks=d_blocks, decode_mask=d_valid[:, None, None, :],
-        prefill_rows=p_rows, prefill_valid=p_valid, prefill_blocks=p_blocks, prefill_mask=p_mask[:, None])
+        prefill_rows=p_rows, prefill_valid=p_valid, prefill_blocks=p_blocks, prefill_mask=p_mask[:, None],
+        sliding_window=sliding_window)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -97,29 +123,59 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache[blocks].view(blocks.shape[0], -1, num_kv_heads, head_size).transpose(1, 2)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Masked attention `[S, H, Q, D]` x `[S, KVH, K, D]` -> `[S, H, Q, D]`; SDPA unless the scores need a
+    soft-cap or sinks, which SDPA cannot apply (then explicit scores, in at least fp32)."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    s, h, nq, d = q.shape
+    kv_heads = k.shape[1]
+    qg = q.to(compute).view(s, kv_heads, h // kv_heads, nq, d)                      # [S, KVH, G, Q, D]
+    scores = torch.einsum("sngqd,snkd->sngqk", qg, k.to(compute)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(compute).view(1, kv_heads, h // kv_heads, 1, 1).expand(s, -1, -1, nq, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    out = torch.einsum("sngqk,snkd->sngqd", probs, v.to(compute))
+    return out.reshape(s, h, nq, d).to(q.dtype)
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, out: Optional[torch.Tensor] = None,
-                    plan: Optional[AttentionPlan] = None) -> torch.Tensor:
-    """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context.
+                    plan: Optional[AttentionPlan] = None, sliding_window: Optional[int] = None,
+                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context,
+    optionally windowed, soft-capped and with sinks (see variant.py).
 
-    Cache slots of a gathered block that hold no token of the sequence are masked out, but they are
-    still multiplied by zero weights, so they must hold finite numbers (the engine zero-fills the cache).
+    Cache slots of a gathered block that hold no visible key are masked out, but they are still
+    multiplied by zero weights, so they must hold finite numbers (the engine zero-fills the cache).
     """
+    check_attention_variant(query.shape[1], query.device, sliding_window, softcap, sinks)
     if plan is None:
-        plan = plan_paged_attention(block_tables, context_lens, query_start_loc, key_cache.shape[1])
+        plan = plan_paged_attention(block_tables, context_lens, query_start_loc, key_cache.shape[1], sliding_window)
+    elif plan.sliding_window != sliding_window:
+        raise ValueError(f"the plan was built for sliding_window={plan.sliding_window}, "
+                         f"this call has sliding_window={sliding_window}")
     if out is None:
         out = torch.empty_like(query)
-    gqa = query.shape[1] != key_cache.shape[2]
     if plan.decode_rows.numel():
         q = query[plan.decode_rows].unsqueeze(2)                                # [Sd, H, 1, D]
         k, v = _gather(key_cache, plan.decode_blocks), _gather(value_cache, plan.decode_blocks)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=gqa)
+        o = _attend(q, k, v, plan.decode_mask, scale, softcap, sinks)
         out[plan.decode_rows] = o.squeeze(2).to(out.dtype)
     if plan.prefill_rows.numel():
         q = query[plan.prefill_rows].transpose(1, 2)                            # [Sp, H, Qp, D]
         k, v = _gather(key_cache, plan.prefill_blocks), _gather(value_cache, plan.prefill_blocks)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=gqa)
+        o = _attend(q, k, v, plan.prefill_mask, scale, softcap, sinks)
         o = o.transpose(1, 2)                                                   # [Sp, Qp, H, D]
         out[plan.prefill_rows[plan.prefill_valid]] = o[plan.prefill_valid].to(out.dtype)
     return out
@@ -127,20 +183,30 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def dense_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """The obvious loop over sequences and heads, for testing the kernels (slow)."""
+                    scale: float, sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The obvious loop over sequences and heads, for testing the kernels (slow). Reads only the slots
+    of visible keys."""
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     group = query.shape[1] // num_kv_heads
     out = torch.empty_like(query)
     for s in range(len(context_lens)):
         start, end, length = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(context_lens[s])
-        pos = torch.arange(length)
+        q_pos = length - (end - start) + torch.arange(end - start)
+        first = 0 if sliding_window is None else max(0, int(q_pos[0]) - sliding_window + 1)
+        pos = torch.arange(first, length)
         slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size
         k = key_cache.reshape(-1, num_kv_heads, head_size)[slots].repeat_interleave(group, dim=1)
         v = value_cache.reshape(-1, num_kv_heads, head_size)[slots].repeat_interleave(group, dim=1)
-        q = query[start:end]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        visible = pos[None, :] <= (length - (end - start) + torch.arange(end - start))[:, None]
+        scores = torch.einsum("qhd,khd->hqk", query[start:end], k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        visible = pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(-1, end - start, 1)], dim=-1)
+        weights = scores.softmax(-1)[..., :len(pos)]
+        out[start:end] = torch.einsum("hqk,khd->qhd", weights, v)
     return out

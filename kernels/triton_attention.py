@@ -5,6 +5,9 @@ query heads that share one KV head, flattened into BLOCK_M rows) and walks that 
 in TILE_N-token tiles, reading each token's K/V through the block table, with an fp32 online
 softmax. Grid: (query tiles, KV heads, KV splits). With splits > 1 each program covers one segment
 of the context and writes an unnormalised partial result; `combine_splits_kernel` merges them.
+Variants (see variant.py): a sliding window (the walk starts at the tile's first visible key and a
+mask drops keys that left a row's window), logit soft-capping (`cap * tanh(s / cap)` on the scores)
+and sinks (one logit per head added to the softmax denominator after the walk, or in the merge).
 """
 
 from __future__ import annotations
@@ -22,17 +25,30 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (libdevice's tanh does not run under the interpreter); exact to fp32 rounding."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))          # exp(-2|x|), in (0, 1]: never overflows
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2e, num_seqs,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
+    scale_log2e, cap_scale, cap_log2e, window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Attention of one query tile x one KV head (x one context segment when NUM_SPLITS > 1)."""
+    """Attention of one query tile x one KV head (x one context segment when NUM_SPLITS > 1).
+
+    Scores in log2 units: `dot * scale * log2(e)`, or with SOFTCAP `cap * log2(e) * tanh(dot * scale / cap)`
+    (`cap_log2e`, `cap_scale`). With HAS_WINDOW the row at position p sees keys p - window < j <= p; the
+    walk starts at the first row's first visible key, so table entries before it are never read."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,15 +84,19 @@ def paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    # Keys this tile can see: 0 .. last row's position; empty for tiles past the sequence's end.
+    # Keys this tile can see: kv_start .. last row's position; empty for tiles past the sequence's end.
     tile_rows = tl.minimum((local_tile + 1) * BLOCK_Q, q_len)
     kv_end = tl.where(local_tile * BLOCK_Q < q_len, first_pos + tile_rows, 0)
+    if HAS_WINDOW:
+        kv_start = tl.minimum(tl.maximum(first_pos + local_tile * BLOCK_Q - window + 1, 0), kv_end)
+    else:
+        kv_start = kv_end * 0
     if NUM_SPLITS == 1:
-        kv_lo = kv_end * 0
+        kv_lo = kv_start
         kv_hi = kv_end
     else:
-        segment = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-        kv_lo = split * segment
+        segment = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+        kv_lo = kv_start + split * segment
         kv_hi = tl.minimum(kv_lo + segment, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -97,8 +117,13 @@ def paged_attention_kernel(
                     mask=key_valid[:, None] & d_valid[None, :], other=0.0)          # [TILE_N, HEAD_PAD]
         if DOT_FP32:
             k = k.to(tl.float32)
-        scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2e
+        if SOFTCAP:
+            scores = _tanh(tl.dot(q, k, input_precision=PRECISION) * cap_scale) * cap_log2e
+        else:
+            scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2e
         visible = row_valid[:, None] & key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet stay at 0
@@ -113,6 +138,12 @@ def paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:   # the sink joins the denominator: rescale to max(m, sink) and add exp2(sink - max)
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_all)
+            l_i = l_i * alpha + tl.exp2(sink - m_all)
+            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -124,9 +155,11 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
-                          HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Program (token, head): merge the NUM_SPLITS partial softmax results into the output row."""
+def combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, stride_ot, stride_oh,
+                          HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          HAS_SINKS: tl.constexpr):
+    """Program (token, head): merge the NUM_SPLITS partial softmax results (and the head's sink) into
+    the output row."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     first = (token * tl.num_programs(1) + head) * NUM_SPLITS
@@ -135,8 +168,13 @@ def combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, str
     m = tl.load(part_max_ptr + first + offs_s)
     l_parts = tl.load(part_sum_ptr + first + offs_s)
     m_all = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
     weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))   # empty segments weigh 0
     total = tl.sum(weight * l_parts, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_all)
     acc = tl.load(part_acc_ptr + (first + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
     o = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
@@ -194,8 +232,8 @@ def attention_config(num_tokens: int, num_seqs: int, group: int, head_size: int,
     head_pad = max(16, next_power_of_2(head_size))
     group_pad = next_power_of_2(group)
     half = element_size <= 2
-    if num_tokens == num_seqs:
-        rows, tile_n, warps = 16, (64 if half else 16), (4 if half else 8)
+    if num_tokens == num_seqs:   # head sizes above 128 (Gemma's 256) need 8 warps to keep 64-token tiles
+        rows, tile_n, warps = 16, (64 if half else 16), (4 if half and head_pad <= 128 else 8)
     else:
         rows = (32 if head_pad > 128 else 64) if half else 16
         tile_n, warps = 16, (4 if half else 8)
@@ -207,7 +245,8 @@ def attention_config(num_tokens: int, num_seqs: int, group: int, head_size: int,
 def paged_attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              block_tables: torch.Tensor, context_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
-                             config: AttentionConfig) -> list:
+                             config: AttentionConfig, sliding_window: Optional[int] = None,
+                             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> list:
     """The launches of one call: the attention kernel, then the split merge when config splits."""
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -221,35 +260,44 @@ def paged_attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out   # unused by the kernel
+    sinks = out if sinks is None else sinks.to(torch.float32).contiguous()   # unused without HAS_SINKS
+    cap = float(softcap) if softcap is not None else 1.0
     # The interpreter's bf16 tl.dot gives wrong numbers: upcast its operands to fp32 there.
     dot_fp32 = is_interpreted(paged_attention_kernel) and query.dtype == torch.bfloat16
     args = (out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-            part_acc, part_max, part_sum, float(scale) * LOG2E, num_seqs,
+            part_acc, part_max, part_sum, sinks, float(scale) * LOG2E, float(scale) / cap, cap * LOG2E,
+            int(sliding_window or 0), num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0))
     constexprs = dict(HEAD_SIZE=head_size, HEAD_PAD=config.head_pad, BLOCK_SIZE=block_size, GROUP=group,
                       BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n, NUM_SPLITS=splits,
-                      DOT_FP32=dot_fp32, PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+                      DOT_FP32=dot_fp32, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+                      HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
+                      HAS_SINKS=sinks is not out)
     grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     launches = [Launch(paged_attention_kernel, grid, args, constexprs, options)]
     if splits > 1:
         launches.append(Launch(combine_splits_kernel, (num_tokens, num_heads),
-                               (out, part_acc, part_max, part_sum, out.stride(0), out.stride(1)),
-                               dict(HEAD_SIZE=head_size, HEAD_PAD=config.head_pad, NUM_SPLITS=splits),
+                               (out, part_acc, part_max, part_sum, sinks, out.stride(0), out.stride(1)),
+                               dict(HEAD_SIZE=head_size, HEAD_PAD=config.head_pad, NUM_SPLITS=splits,
+                                    HAS_SINKS=sinks is not out),
                                {"num_warps": 4}))
     return launches
 
 
 def choose_config(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
-                  num_splits: Optional[int]) -> AttentionConfig:
-    """Pick tiles from host-known shapes only (no device sync): tokens, sequences, table width."""
+                  num_splits: Optional[int], sliding_window: Optional[int] = None) -> AttentionConfig:
+    """Pick tiles from host-known shapes only (no device sync): tokens, sequences, table width (a decode
+    query sees at most `sliding_window` keys)."""
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = block_tables.shape[0]
     if num_splits is None:
-        num_splits = auto_num_splits(num_tokens, num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
-                                     _sm_count(query.device))
+        bound = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            bound = min(bound, sliding_window)
+        num_splits = auto_num_splits(num_tokens, num_seqs, num_kv_heads, bound, _sm_count(query.device))
     return attention_config(num_tokens, num_seqs, num_heads // num_kv_heads, head_size, num_splits,
                             query.element_size())

@@ -12,6 +12,7 @@ import torch
 
 from .triton_attention import choose_config, paged_attention_launches
 from .triton_cache import copy_blocks, reshape_and_cache
+from .variant import check_attention_variant
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,13 +58,16 @@ def _check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, out: Optional[torch.Tensor] = None,
-                    num_splits: Optional[int] = None) -> torch.Tensor:
-    """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context.
+                    num_splits: Optional[int] = None, sliding_window: Optional[int] = None,
+                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context,
+    optionally windowed, soft-capped and with sinks (see variant.py).
 
     `num_splits` forces the number of split-KV segments (a power of two); None picks it from the
     batch shape (split only for decode batches too small to fill the GPU).
     """
     _check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, out)
+    check_attention_variant(query.shape[1], query.device, sliding_window, softcap, sinks)
     if query.stride(-1) != 1:
         query = query.contiguous()
     if out is None:
@@ -75,9 +79,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_tables = block_tables.to(torch.int32)
     context_lens = context_lens.to(torch.int32)
     query_start_loc = query_start_loc.to(torch.int32)
-    config = choose_config(query, key_cache, block_tables, num_splits)
+    config = choose_config(query, key_cache, block_tables, num_splits, sliding_window)
     for launch in paged_attention_launches(query, key_cache, value_cache, block_tables, context_lens,
-                                           query_start_loc, scale, out, config):
+                                           query_start_loc, scale, out, config, sliding_window, softcap, sinks):
         launch.run()
     return out
 

@@ -58,7 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _add_info(sub) -> None:
-    p = sub.add_parser("info", help="architecture, size and KV cache cost of a model")
+    p = sub.add_parser("info", help="architecture, size, attention kind per layer group and KV cache cost of a model")
     p.add_argument("model", nargs="?", default="smollm2")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)

@@ -18,7 +18,8 @@ from .errors import EngineDeadError
 from .input_builder import prepare_inputs
 from .loader import check_module_dtype
 from .metrics import Counters, EngineStats
-from .model_runner import ModelRunner, check_model_supported
+from .model_runner import ModelRunner
+from .model_support import check_model_supported
 from .output_builder import OutputBuilder
 from .outputs import RequestOutput
 from .sampler import SampleRequest, SampleResult, Sampler

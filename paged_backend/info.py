@@ -7,12 +7,19 @@ import torch
 from .cache_engine import kv_geometry
 from .config import parse_memory
 from .loader import load_model
+from .model_support import check_model_supported, describe_attention
 
 
 def model_info(name: str, dtype: torch.dtype = torch.float32, block_size: int = 16,
                kv_cache_memory: str = "256MiB") -> str:
-    """A short human-readable report."""
+    """A short human-readable report, with each layer group's attention kind (full / window W / soft-cap /
+    sinks); a model the engine cannot run exactly is reported as refused, with the reason."""
     model, _ = load_model(name, dtype=dtype)
+    try:
+        check_model_supported(model)
+        attention = describe_attention(model)
+    except ValueError as refusal:
+        attention = [f"not supported: {refusal}"]
     geometry = kv_geometry(model.config)
     budget = parse_memory(kv_cache_memory, "kv_cache_memory")
     per_token = geometry.bytes_per_token(dtype)
@@ -33,4 +40,5 @@ def model_info(name: str, dtype: torch.dtype = torch.float32, block_size: int = 
         f"KV bytes per block: {per_block:,} ({block_size} tokens)",
         f"in {kv_cache_memory}:".ljust(20) + f"{blocks:,} blocks = {blocks * block_size:,} tokens",
     ]
+    lines += [("attention:" if i == 0 else "").ljust(20) + line for i, line in enumerate(attention)]
     return "\n".join(lines)

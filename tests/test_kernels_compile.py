@@ -35,20 +35,51 @@ ATTENTION_CASES = {
     "decode-batch1-bf16-d128-bs128": (torch.bfloat16, 32, 8, 128, 128, "decode", 1, 1, 1),
     "decode-batch1-split2-fp16-d64-bs16": (torch.float16, 8, 8, 64, 16, "decode", 2, 1, 1),
     "prefill-batch1-fp32-d80-bs16": (torch.float32, 4, 4, 80, 16, "prefill", 1, 1, 1),
+    # Head size 256 (Gemma 2/3): decode needs 8 warps to stay free of spills.
+    "decode-fp16-d256-bs16-gqa2": (torch.float16, 8, 4, 256, 16, "decode", 1),
+    "prefill-bf16-d256-bs16-gqa2": (torch.bfloat16, 8, 4, 256, 16, "prefill", 1),
 }
 
 
-def _attention_launches(dtype, heads, kv_heads, head_size, block_size, phase, splits, num_seqs=4, table_width=2):
+# Sliding window, soft-cap and sinks (each variant is its own compiled kernel: constexpr flags).
+VARIANT_CASES = {
+    # name: (dtype, num_heads, num_kv_heads, head_size, block_size, phase, num_splits, variant)
+    "decode-window-fp16-d128-bs16-gqa4": (torch.float16, 32, 8, 128, 16, "decode", 1, "window"),
+    "prefill-window-bf16-d128-bs16-gqa4": (torch.bfloat16, 32, 8, 128, 16, "prefill", 1, "window"),
+    "decode-softcap-bf16-d256-bs16-gqa2": (torch.bfloat16, 8, 4, 256, 16, "decode", 1, "softcap"),
+    "prefill-softcap-window-fp16-d256-bs16": (torch.float16, 8, 4, 256, 16, "prefill", 1, "softcap+window"),
+    "decode-sinks-window-bf16-d64-bs16-gqa8": (torch.bfloat16, 64, 8, 64, 16, "decode", 1, "sinks+window"),
+    "prefill-sinks-fp16-d64-bs32-gqa8": (torch.float16, 64, 8, 64, 32, "prefill", 1, "sinks"),
+    "decode-split8-all-fp16-d128-bs16": (torch.float16, 32, 8, 128, 16, "decode", 8, "all"),
+    "prefill-split2-all-bf16-d64-bs8": (torch.bfloat16, 8, 2, 64, 8, "prefill", 2, "all"),
+    "decode-all-fp32-d128-bs16-gqa4": (torch.float32, 32, 8, 128, 16, "decode", 1, "all"),
+    "prefill-all-fp32-d64-bs128-gqa1": (torch.float32, 8, 8, 64, 128, "prefill", 1, "all"),
+}
+
+
+def _variant_kwargs(variant: str, num_heads: int) -> dict:
+    kwargs = {}
+    if "window" in variant or variant == "all":
+        kwargs["sliding_window"] = 4096
+    if "softcap" in variant or variant == "all":
+        kwargs["softcap"] = 50.0
+    if "sinks" in variant or variant == "all":
+        kwargs["sinks"] = torch.zeros(num_heads, dtype=torch.float32)
+    return kwargs
+
+
+def _attention_launches(dtype, heads, kv_heads, head_size, block_size, phase, splits, num_seqs=4, table_width=2,
+                        **variant):
     num_tokens = num_seqs if phase == "decode" else 96
     query = torch.zeros(num_tokens, heads, head_size, dtype=dtype)
     cache = torch.zeros(8, block_size, kv_heads, head_size, dtype=dtype)
     block_tables = torch.zeros(num_seqs, table_width, dtype=torch.int32)
     context_lens = torch.ones(num_seqs, dtype=torch.int32)
     query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    config = triton_attention.choose_config(query, cache, block_tables, splits)
+    config = triton_attention.choose_config(query, cache, block_tables, splits, variant.get("sliding_window"))
     assert config.num_splits == splits
     return triton_attention.paged_attention_launches(query, cache, cache, block_tables, context_lens,
-                                                     query_start_loc, 0.125, query, config)
+                                                     query_start_loc, 0.125, query, config, **variant)
 
 
 def _compile_all(launches, capability, max_stack_bytes=0):
@@ -80,6 +111,18 @@ else:
         launches = _attention_launches(*ATTENTION_CASES[name])
         assert len(launches) == (2 if ATTENTION_CASES[name][6] > 1 else 1)
         _compile_all(launches, capability, max_stack_bytes=32 if ATTENTION_CASES[name][0] == torch.float32 else 0)
+
+    @pytest.mark.parametrize("capability", TARGETS)
+    @pytest.mark.parametrize("name", list(VARIANT_CASES))
+    def test_attention_variants_compile(name, capability):
+        *shape, variant = VARIANT_CASES[name]
+        launches = _attention_launches(*shape, **_variant_kwargs(variant, shape[1]))
+        assert len(launches) == (2 if shape[6] > 1 else 1)
+        flags = launches[0].constexprs
+        assert (flags["HAS_WINDOW"], flags["SOFTCAP"], flags["HAS_SINKS"]) == (
+            "window" in variant or variant == "all", "softcap" in variant or variant == "all",
+            "sinks" in variant or variant == "all")
+        _compile_all(launches, capability, max_stack_bytes=32 if shape[0] == torch.float32 else 0)
 
     @pytest.mark.parametrize("capability", TARGETS)
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
