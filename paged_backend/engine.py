@@ -19,7 +19,7 @@ from .input_builder import prepare_inputs
 from .loader import check_module_dtype
 from .metrics import Counters, EngineStats
 from .model_runner import ModelRunner
-from .model_support import check_model_supported
+from .model_support import check_model_supported, uniform_window
 from .output_builder import OutputBuilder
 from .outputs import RequestOutput
 from .sampler import SampleRequest, SampleResult, Sampler
@@ -84,8 +84,9 @@ class LLMEngine:
         cache = self.config.cache
         self.kv_size: KVCacheSize = size_kv_cache(cache, self.geometry, self.dtype, self.device,
                                                   self.config.parallel.tensor_parallel_size)
+        self.sliding_window = uniform_window(self.model)  # every layer windowed: blocks behind it are released
         self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
-                                          cache.watermark, cache.enable_prefix_caching)
+                                          cache.watermark, cache.enable_prefix_caching, self.sliding_window)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.runner = self._make_runner()
         self.sampler = Sampler(self.config.seed)
@@ -306,6 +307,7 @@ class LLMEngine:
                 self.counters.num_prompt_tokens += item.num_tokens
             seq.num_computed_tokens += item.num_tokens
             self.block_manager.mark_computed(seq)
+            self.block_manager.release_out_of_window(seq)
             if item.group.metrics.first_scheduled_time is None:
                 item.group.metrics.first_scheduled_time = now
         rows = {id(item): i for i, item in enumerate(samplers)}
@@ -467,6 +469,7 @@ class LLMEngine:
         bm, sch = self.block_manager, self.scheduler
         running_seqs = [s for g in sch.running for s in g.unfinished_seqs()]
         filled, slots = bm.token_slot_usage(running_seqs)
+        max_blocks_per_seq = max((bm.num_held_blocks(s) for s in running_seqs), default=0)
         cache = bm.prefix_cache
         return EngineStats(
             num_blocks=bm.num_blocks, num_free_blocks=bm.get_num_free_blocks(), num_swap_blocks=bm.num_swap_blocks,
@@ -480,7 +483,7 @@ class LLMEngine:
             prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_hits=cache.num_hits if cache else 0,
             num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
-            peak_used_blocks=self.counters.peak_used_blocks,
+            peak_used_blocks=self.counters.peak_used_blocks, max_blocks_per_seq=max_blocks_per_seq,
             num_prompt_tokens=self.counters.num_prompt_tokens,
             num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,
