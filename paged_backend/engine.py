@@ -25,6 +25,8 @@ from .outputs import RequestOutput
 from .sampler import SampleRequest, SampleResult, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .structured_compiler import compiler_for
+from .structured_matcher import GrammarState, accept_grammar
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .sizing import KVCacheSize, size_kv_cache
 from .step_inputs import Runner
@@ -166,7 +168,17 @@ class LLMEngine:
         if needed > bm.num_blocks - bm.watermark_blocks:
             raise ValueError(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
                              f"{bm.num_blocks} blocks of {bm.block_size} tokens")
+        self._grammar(params)  # an invalid schema, regex or grammar is this request's ValueError
         return ids
+
+    def _grammar(self, params: SamplingParams) -> Optional[GrammarState]:
+        """A fresh matcher state for the request's structured-output constraint (compiled once, cached)."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this engine has none")
+        compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return GrammarState(compiler.compile(params.structured_outputs))
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -181,6 +193,7 @@ class LLMEngine:
                               arrival_time, self.eos_token_ids)
         if params.seed is not None:
             group.seqs[0].generator = _sample_generator(params.seed, 0)
+        group.seqs[0].grammar = self._grammar(params)
         if params.use_beam_search:
             group.beam_state = BeamSearchState(
                 params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
@@ -360,6 +373,7 @@ class LLMEngine:
     def _append(self, group: SequenceGroup, seq: Sequence, result, j: int) -> None:
         params = group.sampling_params
         seq.append_token(result.token_ids[j], result.logprobs[j])
+        accept_grammar(seq)
         if result.top_logprobs is not None:
             seq.output_logprobs.append(result.top_logprobs[j])
         if result.scores is not None:
@@ -378,6 +392,9 @@ class LLMEngine:
     def _check_stop(self, group: SequenceGroup, seq: Sequence, new_text: str) -> None:
         params = group.sampling_params
         token = seq.token_ids[-1]
+        if seq.grammar is not None and seq.grammar.is_terminated:  # the structured output is complete
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
@@ -403,7 +420,7 @@ class LLMEngine:
         requests = [SampleRequest(item.group.sampling_params, item.seq, 1, None,
                                   self._stop_ids(item.group.sampling_params)) for item in items]
         try:
-            log_probs = Sampler.beam_log_probs(logits, requests)
+            log_probs = self.sampler.beam_log_probs(logits, requests)
         except Exception:  # noqa: BLE001 - find the request at fault: one row at a time
             log_probs = None
         touched: Dict[str, SequenceGroup] = {}
@@ -423,7 +440,7 @@ class LLMEngine:
 
     def _beam_row(self, item: ScheduledSeq, row: torch.Tensor, request: SampleRequest) -> Optional[torch.Tensor]:
         try:
-            return Sampler.beam_log_probs(row, [request])[0]
+            return self.sampler.beam_log_probs(row, [request])[0]
         except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
             self._fail_group(item.group, f"beam scoring failed: {type(exc).__name__}: {exc}")
             return None
