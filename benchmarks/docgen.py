@@ -83,7 +83,7 @@ def render_headline(records: Dict[str, dict]) -> str:
     if t:
         rows = [r for r in t["rows"] if r["kind"] == "equal-precision"]
         parts = [f"{r['label']} {_ratio(rows, r['system'])}" for r in rows if r["system"] != "paged" and r["ratio"]]
-        lines.append(f"| output tokens/s, paged / system at equal KV ({t['kv_mib']:.0f} MiB) | {'; '.join(parts)} |")
+        lines.append(f"| output tokens/s, paged / system at equal KV ({t['kv_mib']:.1f} MiB) | {'; '.join(parts)} |")
         paged = next((r for r in rows if r["system"] == "paged"), None)
         if paged:
             recomputed = paged["recomputed_tokens"]
@@ -104,10 +104,10 @@ def render_headline(records: Dict[str, dict]) -> str:
     o = records.get("overhead")
     if o:
         lines.append("| step time outside the model forward (overhead) | " +
-                     ", ".join(f"{r['running']} seqs {100 * r['outside_forward_share']:.1f}%" for r in o["runs"]) +
+                     ", ".join(f"{r['running']} sequences {100 * r['outside_forward_share']:.1f}%" for r in o["runs"]) +
                      " |")
     if len(lines) == 2:
-        return _missing("any")
+        return "*No benchmark records at this commit yet: `make bench` writes them.*\n"
     return "\n".join(lines) + "\n"
 
 

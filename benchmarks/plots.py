@@ -80,10 +80,11 @@ def plot_throughput(result: dict, path: Path) -> Path:
         ratio = row.get("ratio")
         note = "" if not ratio else (f"  (ours {ratio['median']:.2f}x)" if row["kind"] == "equal-precision"
                                      else f"  ({ratio['median']:.2f}x paged)")
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {row['output_tokens_per_s']['median']:.1f} tok/s{note}" if row["output_tokens_per_s"] else "",
-                va="center", fontsize=8)
-    ax.set_xlim(0, max(values) * 1.5 if values else 1)
+        tps = row["output_tokens_per_s"]
+        if tps:
+            ax.text(tps["max"], bar.get_y() + bar.get_height() / 2, f"  {tps['median']:.1f} tok/s{note}",
+                    va="center", fontsize=8)
+    ax.set_xlim(0, max(v + e for v, e in zip(values, errors[1])) * 1.6 if values else 1)
     ax.invert_yaxis()
     trace, config = result["trace"], result["config"]
     ax.set_xlabel(f"useful output tokens / s (median and range of {config['repetitions']} interleaved rounds)")
@@ -108,8 +109,10 @@ def plot_serving(result: dict, path: Path) -> Path:
             values, errors = _median_and_error([s for _, s in have])
             ax.errorbar([x for x, _ in have], values, yerr=errors, fmt="o-", capsize=3,
                         color=SYSTEM_COLORS.get(system, "#999999"), label=rows[0]["label"])
+    concurrencies = sorted({r["concurrency"] for r in result["rows"]})
     for ax, (_, label) in zip(axes, panels):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
