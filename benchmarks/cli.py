@@ -9,7 +9,7 @@ import argparse
 import importlib
 import shlex
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .provenance import REPO_ROOT, dirty_refusal, git_state
 
@@ -17,9 +17,10 @@ BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead")
 DOCS_DIR = REPO_ROOT / "docs"
 
 
-def record_paths(name: str, docs_dir: Path = DOCS_DIR) -> Tuple[Path, Path]:
+def record_paths(name: str, docs_dir: Optional[Path] = None) -> Tuple[Path, Path]:
     """Where a documented record of `name` lives: its JSON beside its plot under docs/img/."""
-    return docs_dir / "img" / f"bench-{name}.json", docs_dir / "img" / f"bench-{name}.png"
+    img = (docs_dir or DOCS_DIR) / "img"
+    return img / f"bench-{name}.json", img / f"bench-{name}.png"
 
 
 def _ints(text: str) -> Tuple[int, ...]:

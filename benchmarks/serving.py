@@ -60,9 +60,10 @@ class ServingConfig:
 
 ANCHOR = {"model": "smollm2", "concurrencies": (1, 2, 4, 8, 16, 32), "prompt_tokens": 128, "output_tokens": 64,
           "kv_slots": 3072, "block_size": 16, "repetitions": 3, "threads": 2, "dtype": "float32"}
-# One concurrency and one round: each guidellm sweep costs seconds of start-up whatever its size.
-QUICK = {"model": "tiny-llama", "concurrencies": (2,), "prompt_tokens": 16, "output_tokens": 8, "min_requests": 4,
-         "requests_per_stream": 1, "kv_slots": 256, "repetitions": 1, "threads": 1}
+# One concurrency and one round (each guidellm sweep costs seconds of start-up whatever its size), with KV for two
+# of the four concurrent requests, so every server meets memory pressure.
+QUICK = {"model": "tiny-llama", "concurrencies": (4,), "prompt_tokens": 16, "output_tokens": 8, "min_requests": 4,
+         "requests_per_stream": 1, "kv_slots": 64, "repetitions": 1, "threads": 1}
 SIZES = {"quick": QUICK, "anchor": ANCHOR}
 
 

@@ -356,3 +356,22 @@ def test_quick_serving_benchmark(tmp_path):
         assert row["output_tokens_min"] == row["output_tokens_max"] == config["output_tokens"]
         assert row["busy_cores"]["median"] > 0 and (row["paged_ratio"] is None) == (row["system"] == "paged")
     assert all(code in (0, -15) for code in result["server_exit_codes"].values())
+
+
+def test_documented_run_records_beside_the_plot_and_regenerates_the_page(tmp_path, monkeypatch):
+    import paged_backend.benchmarks.cli as bench_cli
+
+    docs = tmp_path / "docs"
+    (docs / "img").mkdir(parents=True)
+    (docs / "benchmarks.md").write_text("# B\n<!-- generated: record overhead -->\n<!-- end generated -->\n"
+                                        "<!-- generated: table overhead -->\n<!-- end generated -->\n")
+    quick_spec = dataclasses.replace(bench_cli.spec_of("overhead"), documented_size="quick")
+    monkeypatch.setattr(bench_cli, "DOCS_DIR", docs)
+    monkeypatch.setattr(bench_cli, "spec_of", lambda name: quick_spec)
+    monkeypatch.setattr(bench_cli, "git_state", lambda: GitState("e" * 40, "main", False, []))
+    assert cli_main(["bench", "overhead", "--documented", "--results-dir", str(tmp_path / "r")]) == 0
+    record = json.loads((docs / "img" / "bench-overhead.json").read_text())
+    assert record["documented"] and record["command"] == "paged-backend bench overhead --documented"
+    assert (docs / "img" / "bench-overhead.png").stat().st_size > 1000
+    page = (docs / "benchmarks.md").read_text()
+    assert "paged-backend bench overhead --documented" in page and "running seqs" in page
