@@ -220,18 +220,20 @@ class BlockManager:
         self._num_registered[child.seq_id] = registered
         self._num_released[child.seq_id] = released
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, will_recompute: bool = False) -> None:
         """Release a sequence's blocks (device or host); a no-op for a sequence without blocks.
 
         Tail first: cached blocks park in LRU order, so eviction takes a prefix chain from its end and
-        the chain's head, which every later block's hash goes through, stays reachable longest."""
+        the chain's head, which every later block's hash goes through, stays reachable longest. The blocks
+        of a sequence preempted by recomputation (`will_recompute`) are evicted after all others: it will
+        find them in the cache when it is readmitted and recompute only what was lost."""
         self._num_registered.pop(seq.seq_id, None)
         self._num_released.pop(seq.seq_id, None)
         table = self.block_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):
                 if block != HOLE:
-                    self.device.free(block)
+                    self.device.free(block, keep_cached=will_recompute)
         table = self.swapped_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):

@@ -206,7 +206,7 @@ class Scheduler:
             self.num_swap_preemptions += 1
         else:
             for seq in group.active_seqs():
-                bm.free(seq)
+                bm.free(seq, will_recompute=True)
                 seq.num_computed_tokens = 0
             group.set_status(SequenceStatus.WAITING)
             unfinished = group.unfinished_seqs()

@@ -40,6 +40,7 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: List[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: List[Dict[int, float]] = []
