@@ -95,6 +95,10 @@ class ReservationBlockManager(BlockManager):
             raise RuntimeError(f"sequence {seq.seq_id} outgrew its reservation")
         return []
 
+    def kv_usage(self, seqs) -> Tuple[int, int]:
+        """A reservation holds slots beyond its last token: walk the tables (no O(1) shortcut here)."""
+        return self.token_slot_usage(seqs)
+
     def fork(self, parent: Sequence, child: Sequence, num_tokens=None) -> None:
         raise ValueError("the reservation baseline runs one sequence per request (no n > 1 or beam search)")
 

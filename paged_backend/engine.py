@@ -488,7 +488,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         running_seqs = [s for g in sch.running for s in g.unfinished_seqs()]
-        filled, slots = bm.token_slot_usage(running_seqs)
+        filled, slots = bm.kv_usage(running_seqs)
         max_blocks_per_seq = max((bm.num_held_blocks(s) for s in running_seqs), default=0)
         cache = bm.prefix_cache
         return EngineStats(

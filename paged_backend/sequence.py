@@ -49,6 +49,7 @@ class Sequence:
         self.output_text = ""
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
+        self.detok_prefix_text = ""  # text of token_ids[detok_prefix_offset:detok_read_offset]
         self.detok_started = False
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []

@@ -405,6 +405,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert self.host[table[pos // BLOCK]][pos % BLOCK] == seq.token_ids[pos]
 
     @invariant()
+    def cheap_usage_equals_the_walk(self):
+        seqs = [s for _, s in self._seqs()]
+        assert self.bm.kv_usage(seqs) == self.bm.token_slot_usage(seqs)
+
+    @invariant()
     def cached_blocks_hold_their_tokens(self):
         cache = self.bm.prefix_cache
         if cache is None:
