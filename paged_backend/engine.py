@@ -318,7 +318,10 @@ class LLMEngine:
                 samplers.append(item)
             if item.num_tokens > 1 or seq.num_computed_tokens < seq.prompt_len:
                 self.counters.num_prompt_tokens += item.num_tokens
-            seq.num_computed_tokens += item.num_tokens
+            end = seq.num_computed_tokens + item.num_tokens
+            self.counters.num_recomputed_tokens += max(0, min(end, seq.max_computed_tokens) - seq.num_computed_tokens)
+            seq.max_computed_tokens = max(seq.max_computed_tokens, end)
+            seq.num_computed_tokens = end
             self.block_manager.mark_computed(seq)
             self.block_manager.release_out_of_window(seq)
             if item.group.metrics.first_scheduled_time is None:
@@ -485,7 +488,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         running_seqs = [s for g in sch.running for s in g.unfinished_seqs()]
-        filled, slots = bm.token_slot_usage(running_seqs)
+        filled, slots = bm.kv_usage(running_seqs)
         max_blocks_per_seq = max((bm.num_held_blocks(s) for s in running_seqs), default=0)
         cache = bm.prefix_cache
         return EngineStats(
@@ -502,6 +505,7 @@ class LLMEngine:
             num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
             peak_used_blocks=self.counters.peak_used_blocks, max_blocks_per_seq=max_blocks_per_seq,
             num_prompt_tokens=self.counters.num_prompt_tokens,
+            num_recomputed_tokens=self.counters.num_recomputed_tokens,
             num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,
             num_requests_failed=self.counters.num_requests_failed,

@@ -31,6 +31,7 @@ class EngineStats:
     peak_used_blocks: int           # most device blocks held at once since the engine started
     max_blocks_per_seq: int         # most device blocks one running sequence holds now
     num_prompt_tokens: int          # tokens run through the model as prefill
+    num_recomputed_tokens: int      # of those: tokens computed again after a preemption by recomputation
     num_generated_tokens: int
     num_steps: int
     num_requests_finished: int      # ended without an error (aborted ones included)
@@ -46,6 +47,7 @@ class Counters:
     """Running totals the engine updates every step."""
 
     num_prompt_tokens: int = 0
+    num_recomputed_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
     num_requests_finished: int = 0
