@@ -61,6 +61,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def max_prompt_chars(self) -> int:
+        """Text prompts longer than this are refused without tokenizing (`LLMEngine.max_prompt_chars`)."""
+        return self.engine.max_prompt_chars
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.engine.dtype
 
