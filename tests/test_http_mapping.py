@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import get_model
-from paged_backend import AsyncLLMEngine, CompletionOutput, RequestOutput
+from paged_backend import AsyncLLMEngine, CompletionOutput
 from paged_backend.adapters.http.app import create_app
 from paged_backend.adapters.http.cli import ready_message
 from paged_backend.adapters.http.errors import ValidationFailed
