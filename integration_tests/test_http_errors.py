@@ -117,6 +117,7 @@ OPENAI_CASES = [
     ("/v1/chat/completions", _chat(messages="hi"), 400, "messages", "messages"),
     ("/v1/chat/completions", _chat(top_logprobs=2), 400, "top_logprobs", "needs `logprobs`"),
     ("/v1/chat/completions", _chat(tools=[{"type": "function"}]), 400, "tools", "not supported"),
+    ("/v1/chat/completions", _chat(tool_choice="auto"), 400, "tool_choice", "needs `tools`"),
     ("/v1/chat/completions", _chat(stream="yes"), 400, "stream", "valid boolean"),
     ("/v1/chat/completions", _chat(presence_penalty=-3), 400, "presence_penalty", "between"),
     ("/v1/chat/completions", _chat(top_logprobs=21, logprobs=True), 400, "top_logprobs", "between 0 and 20"),

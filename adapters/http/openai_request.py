@@ -249,6 +249,9 @@ def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
     _check_common(req)
     if req.tools:
         _fail("`tools` are not supported by this server", "tools", "unsupported_parameter")
+    if req.tool_choice not in (None, "none"):
+        _fail("`tool_choice` needs `tools`, which this server does not support", "tool_choice",
+              "unsupported_parameter")
     if req.response_format and req.response_format.get("type", "text") != "text":
         _fail("only `response_format` {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
     if req.top_logprobs is not None:

@@ -97,7 +97,7 @@ NO_MEANING_HERE = frozenset({
     "disable_async_output_proc", "async_scheduling", "enable_chunked_prefill", "max_num_partial_prefills",
     "max_long_partial_prefills", "long_prefill_token_threshold", "scheduler_delay_factor", "download_dir",
     "revision", "tokenizer_revision", "code_revision", "tokenizer_mode", "served_model_name",
-    "max_parallel_loading_workers", "tokenizer_pool_size", "enable_prefix_caching_hash_algo",
+    "max_parallel_loading_workers", "tokenizer_pool_size",
     "prefix_caching_hash_algo", "disable_frontend_multiprocessing",
 })
 # vLLM arguments this engine implements only at their default value
