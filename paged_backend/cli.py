@@ -43,7 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
-    group.add_argument("--enable-prefix-caching", action="store_true", help="share cached prompt prefixes")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="share cached prompt prefixes, and let recomputed requests find their own blocks "
+                            "(default: on, as in vLLM v1)")
     group.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over")
     group.add_argument("--seed", type=int, default=0)
 

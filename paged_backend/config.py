@@ -43,7 +43,7 @@ class CacheConfig:
     kv_cache_memory: Optional[Union[int, str]] = None
     num_swap_blocks: Optional[int] = None
     swap_space: Optional[Union[int, str]] = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True   # as in vLLM v1: shared prefixes, and cheap recomputation
     watermark: float = 0.01
     # vLLM's meaning: the share of the device's total memory this engine may use, weights included; the KV
     # cache gets what the weights leave of it

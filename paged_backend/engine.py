@@ -19,12 +19,14 @@ from .input_builder import prepare_inputs
 from .loader import check_module_dtype
 from .metrics import Counters, EngineStats
 from .model_runner import ModelRunner
-from .model_support import check_model_supported
+from .model_support import check_model_supported, uniform_window
 from .output_builder import OutputBuilder
 from .outputs import RequestOutput
 from .sampler import SampleRequest, SampleResult, Sampler
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .structured_compiler import compiler_for
+from .structured_matcher import GrammarState, accept_grammar
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .sizing import KVCacheSize, size_kv_cache
 from .step_inputs import Runner
@@ -93,8 +95,9 @@ class LLMEngine:
         tp = self.config.parallel.tensor_parallel_size
         self.kv_size: KVCacheSize = size_kv_cache(cache, self.geometry, self.dtype, self.device, tp,
                                                   model_bytes=_module_bytes(self.model) // tp)
+        self.sliding_window = uniform_window(self.model)  # every layer windowed: blocks behind it are released
         self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
-                                          cache.watermark, cache.enable_prefix_caching)
+                                          cache.watermark, cache.enable_prefix_caching, self.sliding_window)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.runner = self._make_runner()
         self.sampler = Sampler(self.config.seed)
@@ -195,6 +198,7 @@ class LLMEngine:
         if needed > bm.num_blocks - bm.watermark_blocks:
             raise CannotFit(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
                             f"{bm.num_blocks} blocks of {bm.block_size} tokens", param="prompt")
+        self._grammar(params)  # an invalid schema, regex or grammar is this request's InvalidParameter
         return ids
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -212,16 +216,37 @@ class LLMEngine:
                                    f"{limit})", param="logprobs")
         constraint_processors(params, self.tokenizer, self.vocab_size)  # raises for ids outside the vocabulary
 
+    def _grammar(self, params: SamplingParams) -> Optional[GrammarState]:
+        """A fresh matcher state for the request's structured-output constraint (compiled once, cached)."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidParameter("structured outputs need a tokenizer; this engine has none",
+                                   param="structured_outputs")
+        compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            return GrammarState(compiler.compile(params.structured_outputs))
+        except InvalidParameter:
+            raise
+        except ValueError as exc:
+            raise InvalidParameter(str(exc), param="structured_outputs") from None
+
     # ---- how many tokens a request may generate ------------------------------------------------
     def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
         """How many new tokens each of `num_branches` sequences can still get after a prompt of `prompt_len`
         tokens: the room left in the context, and in the KV cache when the request runs alone (its full prompt
-        blocks are shared; each sequence needs its own blocks after them). 0 or less: none."""
+        blocks are shared; each sequence needs its own blocks after them; a model windowed on every layer
+        releases the blocks behind its window). 0 or less: none."""
         bm = self.block_manager
+        context_room = self.max_model_len - prompt_len
+        if self.sliding_window is not None:  # a windowed sequence holds ceil(W / block) + 1 blocks at most
+            held = -(-self.sliding_window // bm.block_size) + 1
+            if held * max(num_branches, 1) <= bm.num_blocks:
+                return context_room
         shared = prompt_len // bm.block_size
         per_branch = (bm.num_blocks - shared) // max(num_branches, 1)
         kv_room = (shared + per_branch) * bm.block_size - prompt_len
-        return min(self.max_model_len - prompt_len, kv_room)
+        return min(context_room, kv_room)
 
     def fit_max_tokens(self, prompt_len: int, params: SamplingParams, default: Optional[int] = None,
                        param: str = "max_tokens") -> SamplingParams:
@@ -260,6 +285,7 @@ class LLMEngine:
                               arrival_time, self.eos_token_ids)
         if params.seed is not None:
             group.seqs[0].generator = _sample_generator(params.seed, 0)
+        group.seqs[0].grammar = self._grammar(params)
         if params.use_beam_search:
             group.beam_state = BeamSearchState(
                 params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
@@ -400,8 +426,12 @@ class LLMEngine:
                 samplers.append(item)
             if item.num_tokens > 1 or seq.num_computed_tokens < seq.prompt_len:
                 self.counters.num_prompt_tokens += item.num_tokens
-            seq.num_computed_tokens += item.num_tokens
+            end = seq.num_computed_tokens + item.num_tokens
+            self.counters.num_recomputed_tokens += max(0, min(end, seq.max_computed_tokens) - seq.num_computed_tokens)
+            seq.max_computed_tokens = max(seq.max_computed_tokens, end)
+            seq.num_computed_tokens = end
             self.block_manager.mark_computed(seq)
+            self.block_manager.release_out_of_window(seq)
             if item.group.metrics.first_scheduled_time is None:
                 item.group.metrics.first_scheduled_time = now
         rows = {id(item): i for i, item in enumerate(samplers)}
@@ -454,6 +484,7 @@ class LLMEngine:
     def _append(self, group: SequenceGroup, seq: Sequence, result, j: int) -> None:
         params = group.sampling_params
         seq.append_token(result.token_ids[j], result.logprobs[j])
+        accept_grammar(seq)
         if result.top_logprobs is not None:
             seq.output_logprobs.append(result.top_logprobs[j])
         if result.scores is not None:
@@ -476,6 +507,9 @@ class LLMEngine:
     def _check_stop(self, group: SequenceGroup, seq: Sequence, new_text: str) -> None:
         params = group.sampling_params
         token = seq.token_ids[-1]
+        if seq.grammar is not None and seq.grammar.is_terminated:  # the structured output is complete
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
@@ -501,7 +535,7 @@ class LLMEngine:
         requests = [SampleRequest(item.group.sampling_params, item.seq, 1, None,
                                   self._stop_ids(item.group.sampling_params)) for item in items]
         try:
-            log_probs = Sampler.beam_log_probs(logits, requests)
+            log_probs = self.sampler.beam_log_probs(logits, requests)
         except Exception:  # noqa: BLE001 - find the request at fault: one row at a time
             log_probs = None
         touched: Dict[str, SequenceGroup] = {}
@@ -521,7 +555,7 @@ class LLMEngine:
 
     def _beam_row(self, item: ScheduledSeq, row: torch.Tensor, request: SampleRequest) -> Optional[torch.Tensor]:
         try:
-            return Sampler.beam_log_probs(row, [request])[0]
+            return self.sampler.beam_log_probs(row, [request])[0]
         except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
             self._fail_group(item.group, f"beam scoring failed: {type(exc).__name__}: {exc}")
             return None
@@ -585,7 +619,8 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         running_seqs = [s for g in sch.running for s in g.unfinished_seqs()]
-        filled, slots = bm.token_slot_usage(running_seqs)
+        filled, slots = bm.kv_usage(running_seqs)
+        max_blocks_per_seq = max((bm.num_held_blocks(s) for s in running_seqs), default=0)
         cache = bm.prefix_cache
         return EngineStats(
             num_blocks=bm.num_blocks, num_free_blocks=bm.get_num_free_blocks(), num_swap_blocks=bm.num_swap_blocks,
@@ -599,8 +634,9 @@ class LLMEngine:
             prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_hits=cache.num_hits if cache else 0,
             num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
-            peak_used_blocks=self.counters.peak_used_blocks,
+            peak_used_blocks=self.counters.peak_used_blocks, max_blocks_per_seq=max_blocks_per_seq,
             num_prompt_tokens=self.counters.num_prompt_tokens,
+            num_recomputed_tokens=self.counters.num_recomputed_tokens,
             num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,
             num_requests_failed=self.counters.num_requests_failed,

@@ -106,7 +106,9 @@ class EngineStats:
     num_cached_prefill_tokens: int  # prompt tokens whose prefill the prefix cache skipped
     num_copy_on_write: int
     peak_used_blocks: int           # most device blocks held at once since the engine started
+    max_blocks_per_seq: int         # most device blocks one running sequence holds now
     num_prompt_tokens: int          # tokens run through the model as prefill
+    num_recomputed_tokens: int      # of those: tokens computed again after a preemption by recomputation
     num_generated_tokens: int
     num_steps: int
     num_requests_finished: int      # ended without an error (aborted ones included)
@@ -127,6 +129,7 @@ class Counters:
     """Running totals the engine updates every step."""
 
     num_prompt_tokens: int = 0
+    num_recomputed_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
     num_requests_finished: int = 0

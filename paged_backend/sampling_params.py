@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Union
 
 from .errors import InvalidParameter
 from .logits_processors import check_logits_processors
+from .structured_outputs import StructuredOutputsParams, structured_outputs_from
 
 _EPS = 1e-6
 _INT64 = 2 ** 63
@@ -69,6 +70,10 @@ class SamplingParams:
     # vLLM v0's per-request processors: (output_ids, logits_row) or (prompt_ids, output_ids, logits_row)
     # -> logits_row, applied after the penalties; an exception fails this request only.
     logits_processors: Optional[List[Callable]] = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's names; a dict or JSON string of
+    # StructuredOutputsParams' fields is accepted too); `guided_decoding` is vLLM's older name for it.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None
     # vLLM's token constraints, turned into logits processors by the engine (token_constraints.py)
     logit_bias: Optional[Dict[int, float]] = None    # token id -> added to its logit
     allowed_token_ids: Optional[List[int]] = None    # only these tokens may be generated
@@ -90,6 +95,7 @@ class SamplingParams:
             raise _bad("logits_processors", str(exc)) from None
         if self.top_k == 0 and _is_int(self.top_k):
             self.top_k = -1
+        self._check_structured_outputs()
         self._check_counts()
         self._check_sampling()
         self._check_stops()
@@ -138,6 +144,21 @@ class SamplingParams:
             raise _bad("stop", "stop strings need detokenize=True (they are matched on the text)")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def _check_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise _bad("guided_decoding", "give structured_outputs or its older name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        try:
+            self.structured_outputs = structured_outputs_from(self.structured_outputs)
+        except InvalidParameter:
+            raise
+        except ValueError as exc:
+            raise _bad("structured_outputs", str(exc)) from None
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise _bad("ignore_eos", "ignore_eos cannot be combined with structured_outputs: the output ends where "
+                                     "the grammar does")
 
     def _check_beam(self) -> None:
         if not _is_int(self.beam_width) or self.beam_width < 1:

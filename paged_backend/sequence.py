@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from .sampling_params import SamplingParams
@@ -40,6 +40,7 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: List[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: List[Dict[int, float]] = []
@@ -48,10 +49,12 @@ class Sequence:
         self.output_text = ""
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
+        self.detok_prefix_text = ""  # text of token_ids[detok_prefix_offset:detok_read_offset]
         self.detok_started = False
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []
         self.generator: Any = None  # this sequence's own RNG when the request has a seed (set by the engine)
+        self.grammar: Any = None    # its structured-output matcher state (structured_matcher.GrammarState)
 
     @property
     def output_token_ids(self) -> List[int]:
@@ -90,6 +93,8 @@ class Sequence:
         child.output_scores = list(self.output_scores)
         child.beam_indices = list(self.beam_indices)
         child.block_hashes = list(self.block_hashes)
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         return child
 
     def __repr__(self) -> str:

@@ -69,8 +69,11 @@ def test_greedy_matches_hf_with_chunked_prefill_and_prefix_caching(name, dtype):
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_greedy_matches_hf_under_preemption(name, mode, block_size, num_blocks, dtype):
     """80 cache slots for four sequences of up to 45 tokens; blocks of 4 (a window spans three blocks) and
-    of 16 (a window lies within one or two)."""
+    of 16 (a window lies within one or two). A model windowed on every layer releases the blocks behind
+    its window and needs only a few blocks per sequence: 32 slots are small enough to preempt it."""
     model, tok = get_model(name, dtype)
+    if all(kind.sliding_window is not None for kind in probe_attention(model)) and block_size == 4:
+        num_blocks = 8
     llm = LLM(model, tokenizer=tok, num_blocks=num_blocks, block_size=block_size, preemption_mode=mode)
     assert _greedy(llm, PROMPTS) == hf_greedy(name, dtype)
     stats = llm.get_stats()
@@ -107,4 +110,23 @@ def test_beam_search_matches_hf(name, dtype):
         for completion, score in zip(out.outputs, ref_scores):
             assert abs(completion.beam_score - score) < tolerance
     assert llm.get_stats().num_copy_on_write > 0
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_beam_search_matches_hf_under_preemption_and_chunking(name, mode, dtype):
+    """Beams recomputed (leader first, then forks) or swapped while prompts are prefilled in chunks of 6,
+    with prefix caching on and windowed blocks released: still transformers' hypotheses."""
+    model, tok = get_model(name, dtype)
+    windowed = all(kind.sliding_window is not None for kind in probe_attention(model))
+    llm = LLM(model, tokenizer=tok, num_blocks=8 if windowed else 12, block_size=4, max_num_batched_tokens=6,
+              preemption_mode=mode, num_swap_blocks=64)
+    params = SamplingParams(beam_width=2, n=2, temperature=0, max_tokens=12, length_penalty=1.0)
+    prompts = [PROMPTS[3], PROMPTS[0]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert [c.token_ids for c in out.outputs] == hf_beams(model, tok, prompt, 2, 2, 12)[0], prompt
     assert_no_leaks(llm.engine)
