@@ -205,3 +205,16 @@ def test_the_engine_observes_per_request_histograms():
     assert cumulative[-1] == ("+Inf", 3) and dict(cumulative)["2.0"] == 1 and dict(cumulative)["5.0"] == 3
     assert sorted(h["request_prompt_tokens"].new_values(0)) == [2, 3, 4]
     assert len(h["request_prompt_tokens"].new_values(2)) == 1 and h["request_prompt_tokens"].new_values(3) == ()
+
+
+def test_a_windowed_model_has_room_beyond_its_kv_cache():
+    """Every layer of tiny-mistral attends through a window of 8 tokens: blocks behind it are released, so
+    a request may generate more tokens than the cache holds."""
+    model, tok = get_model("tiny-mistral", torch.float32)
+    eng = LLMEngine(model, tokenizer=tok, num_blocks=8, block_size=4)
+    assert eng.max_new_tokens(5) == eng.max_model_len - 5  # 8 blocks hold 32 tokens; the window needs 3
+    params = eng.fit_max_tokens(5, SamplingParams(temperature=0, ignore_eos=True), default=100)
+    eng.add_request("long", [5, 6, 7, 8, 9], params)
+    (out,) = [o for o in run_to_completion(eng).values()]
+    assert out.error is None and len(out.outputs[0].token_ids) == 100
+    assert_no_leaks(eng)
