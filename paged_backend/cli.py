@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional
 EXTERNAL_COMMANDS: Dict[str, str] = {
     "serve": "paged_backend.adapters.http.cli",
     "triton-repo": "paged_backend.adapters.triton.cli",
+    "triton-backend": "paged_backend.adapters.triton.cli",
     "triton-serve": "paged_backend.adapters.triton.cli",
     "bench": "paged_backend.benchmarks.cli",
 }

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from .hf_outputs import UNMATCHED_ROWS_WARNING
-from .hf_runner import Commit, SamplingRun
+from paged_backend.streaming import IncrementalText
+
+from .outputs import UNMATCHED_ROWS_WARNING
+from .runner import Commit, SamplingRun
 
 
 @dataclass
@@ -27,28 +29,6 @@ class TokenEvent:
     text: str                 # the text this token completes (may be "" inside a multi-byte character)
     finished: bool            # the row ends with this token
     finish_reason: Optional[str] = None   # "stop" (EOS, stop string, stopping criteria) or "length"
-
-
-class IncrementalText:
-    """Text deltas of a growing token list, decoding only the last few tokens each time."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.tokens: List[int] = []
-        self.prefix_offset = 0   # decoding starts here, so merges and spaces come out right
-        self.read_offset = 0     # text up to here has been returned
-
-    def push(self, token_id: int) -> str:
-        self.tokens.append(token_id)
-        if self.tokenizer is None:
-            return ""
-        decode = self.tokenizer.decode
-        prefix = decode(self.tokens[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
-        text = decode(self.tokens[self.prefix_offset:], skip_special_tokens=self.skip)
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return ""  # no visible text yet, or an incomplete UTF-8 character: wait for more tokens
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        return text[len(prefix):]
 
 
 def _finish_reason(run: SamplingRun, index: int) -> str:

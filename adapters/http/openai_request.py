@@ -1,9 +1,12 @@
-"""OpenAI request bodies (completions, chat) and their mapping to `SamplingParams`.
+"""OpenAI request bodies (completions, chat): OpenAI's limits where its specification states them, then
+the body under vLLM's names through the engine's request contract (`sampling_params_from_dict`,
+`validate`, `fit_max_tokens`), so every parameter means what it means to vLLM.
 
-OpenAI's parameters plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
-`use_beam_search`, `length_penalty`). `max_tokens` defaults to 16 for completions (OpenAI's
-documented default) and to "until EOS or the context / KV cache limit" for chat.
+OpenAI's parameters plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`,
+`truncate_prompt_tokens`, `use_beam_search`, `length_penalty`, `early_stopping`). `max_tokens` defaults
+to 16 for completions (OpenAI's documented default) and to all that fits the context and KV cache for
+chat; `null` means all that fits.
 """
 
 from __future__ import annotations
@@ -12,13 +15,21 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 from paged_backend import SamplingParams
+from paged_backend.errors import InvalidRequest, PromptTooLong
+from paged_backend.request_params import sampling_params_from_dict
+from paged_backend.sampling_params import RequestOutputKind
 
 from .body import StrictBody
-from .errors import ValidationFailed
-from .generation import ServerContext, check_max_new_tokens, max_new_tokens_limit, prompt_ids
+from .context import ServerContext
+from .errors import ValidationFailed, refusal
 
-MAX_LOGPROBS = 20
+# OpenAI's documented limits
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+MAX_BEST_OF = 20
+MAX_STOP = 4
+MAX_LOGIT_BIAS = 100.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
@@ -47,13 +58,19 @@ class SamplingFields(StrictBody):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = None
     stop_token_ids: Optional[List[int]] = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Optional[float] = None
+    early_stopping: Optional[Union[bool, str]] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -88,14 +105,18 @@ class ChatRequest(SamplingFields):
 
 @dataclass
 class OpenAIPlan:
-    """A validated request: one engine request per prompt, all with the same SamplingParams."""
+    """A validated request: one engine request per prompt, each with its SamplingParams."""
 
     prompts: List[List[int]]
-    params: SamplingParams
+    params: List[SamplingParams]
     stream: bool
     include_usage: bool
     logprobs: Optional[int]        # completions: top-k per position; chat: top_logprobs
     echo_texts: Optional[List[str]] = None
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
 
 
 def _fail(message: str, param: str, code: str = "invalid_value") -> None:
@@ -108,64 +129,63 @@ def _range(value, name: str, low: float, high: float) -> None:
 
 
 def _check_common(req: SamplingFields) -> None:
+    """OpenAI's documented limits; everything else is the engine's contract."""
     _range(req.temperature, "temperature", 0.0, 2.0)
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        _fail(f"`top_p` must be in (0, 1], got {req.top_p}", "top_p")
+    _range(req.top_p, "top_p", 0.0, 1.0)
     _range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
     _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _range(req.n, "n", 1, MAX_N)
+    _range(req.best_of, "best_of", 1, MAX_BEST_OF)
     if req.max_tokens is not None and req.max_tokens < 1:
         _fail(f"`max_tokens` must be at least 1, got {req.max_tokens}", "max_tokens")
     if req.best_of is not None and req.best_of < req.n:
         _fail(f"`best_of` ({req.best_of}) must be >= `n` ({req.n})", "best_of")
-    if req.logit_bias:
-        _fail("`logit_bias` is not supported by this server", "logit_bias", "unsupported_parameter")
-    if req.seed is not None and not -(2 ** 63) <= req.seed < 2 ** 64:
-        _fail("`seed` must fit in 64 bits", "seed")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP:
+        _fail(f"`stop` takes up to {MAX_STOP} sequences, got {len(stops)}", "stop")
+    if any(s == "" for s in stops):
+        _fail("`stop` strings must not be empty", "stop")
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            _fail(f"`logit_bias` keys must be token ids, got {key!r}", "logit_bias")
+        _range(bias, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     if req.stream and req.best_of is not None and req.best_of > req.n:
         _fail("`best_of` > `n` cannot be streamed", "best_of")
     if req.stream and req.use_beam_search:
         _fail("beam search cannot be streamed", "use_beam_search")
-    if req.stop == "" or (isinstance(req.stop, list) and any(s == "" for s in req.stop)):
-        _fail("`stop` strings must not be empty", "stop")
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-    beam = req.use_beam_search
-    width = (req.best_of or req.n) if beam else 1
-    temperature = 0.0 if beam else (req.temperature if req.temperature is not None else 1.0)
+_VLLM_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+                "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
+                "truncate_prompt_tokens", "prompt_logprobs", "use_beam_search", "length_penalty", "early_stopping")
+
+
+def vllm_values(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> Dict[str, Any]:
+    """The request under vLLM's names (what `sampling_params_from_dict` reads)."""
+    values: Dict[str, Any] = {name: getattr(req, name) for name in _VLLM_FIELDS}
+    values.update(max_tokens=max_tokens, logprobs=logprobs)
+    if req.logit_bias:
+        values["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    return values
+
+
+def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: Optional[int],
+            logprobs: Optional[int], default: Optional[int], prompt_param: str):
+    """(token ids, SamplingParams) per prompt through the engine's contract; refusals in OpenAI's terms."""
+    names = {"prompt": prompt_param}
     try:
-        return SamplingParams(
-            n=req.n, best_of=None if beam else req.best_of, temperature=temperature,
-            top_p=req.top_p if req.top_p is not None else 1.0,
-            top_k=-1 if req.top_k in (None, 0) else req.top_k,
-            min_p=req.min_p if req.min_p is not None else 0.0,
-            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens, beam_width=width, length_penalty=req.length_penalty)
-    except ValueError as exc:
-        raise ValidationFailed(str(exc)) from None
+        base = sampling_params_from_dict(vllm_values(req, max_tokens, logprobs),
+                                         output_kind=RequestOutputKind.DELTA if req.stream else
+                                         RequestOutputKind.CUMULATIVE)
+        ids = [ctx.engine.validate(p, base) for p in prompts]
+        params = [ctx.engine.fit_max_tokens(len(i), base, default=default) for i in ids]
+    except InvalidRequest as exc:
+        raise refusal(exc, names) from None
+    return ids, params
 
 
-def _max_tokens(ctx: ServerContext, req: SamplingFields, prompts: List[List[int]], requested: Optional[int],
-                name: str) -> int:
-    branches = (req.best_of or req.n)
-    longest = max(len(p) for p in prompts)
-    if requested is None:
-        allowed = max_new_tokens_limit(ctx, longest, branches)
-        if allowed < 1:
-            _fail(f"no room is left for new tokens after {longest} prompt tokens", "messages",
-                  "context_length_exceeded")
-        return allowed
-    for p in prompts:
-        check_max_new_tokens(ctx, len(p), requested, branches, name)
-    return requested
-
-
-def _completion_prompts(ctx: ServerContext, prompt) -> List[List[int]]:
+def _completion_prompts(prompt) -> list:
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -174,24 +194,21 @@ def _completion_prompts(ctx: ServerContext, prompt) -> List[List[int]]:
         prompts = list(prompt)
     if not prompts:
         _fail("`prompt` must not be empty", "prompt")
-    return [prompt_ids(ctx, p) for p in prompts]
+    return prompts
 
 
 def plan_completion(ctx: ServerContext, req: CompletionRequest) -> OpenAIPlan:
-    """Validate a /v1/completions request and build its SamplingParams."""
+    """Validate a /v1/completions request and build its SamplingParams (blocking: tokenizes)."""
     _check_common(req)
     if req.suffix:
         _fail("`suffix` is not supported by this server", "suffix", "unsupported_parameter")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        _fail(f"`logprobs` must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+    _range(req.logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     if req.echo and req.logprobs is not None:
         _fail("`echo` with `logprobs` is not supported: prompt logprobs are not computed", "echo",
               "unsupported_parameter")
-    prompts = _completion_prompts(ctx, req.prompt)
-    max_tokens = _max_tokens(ctx, req, prompts, req.max_tokens, "max_tokens")
-    params = _sampling_params(req, max_tokens, req.logprobs)
-    echo = [ctx.tokenizer.decode(p) for p in prompts] if req.echo else None
-    return OpenAIPlan(prompts, params, req.stream, _include_usage(req), req.logprobs, echo)
+    ids, params = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
+    echo = [ctx.tokenizer.decode(p) for p in ids] if req.echo else None
+    return OpenAIPlan(ids, params, req.stream, _include_usage(req), req.logprobs, echo)
 
 
 def _include_usage(req: SamplingFields) -> bool:
@@ -216,6 +233,10 @@ def chat_prompt(ctx: ServerContext, req: ChatRequest) -> str:
     if getattr(ctx.tokenizer, "chat_template", None) is None:
         _fail("this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(req.messages)]
+    chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+    if chars > ctx.engine.max_prompt_chars:
+        raise refusal(PromptTooLong(f"the messages have {chars} characters, more than any prompt that fits the "
+                                    f"context can have ({ctx.engine.max_prompt_chars})", param="messages"))
     try:
         return ctx.tokenizer.apply_chat_template(messages, tokenize=False,
                                                  add_generation_prompt=req.add_generation_prompt)
@@ -224,22 +245,24 @@ def chat_prompt(ctx: ServerContext, req: ChatRequest) -> str:
 
 
 def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
-    """Validate a /v1/chat/completions request, apply the chat template, build SamplingParams."""
+    """Validate a /v1/chat/completions request, apply the chat template, build SamplingParams (blocking)."""
     _check_common(req)
     if req.tools:
         _fail("`tools` are not supported by this server", "tools", "unsupported_parameter")
+    if req.tool_choice not in (None, "none"):
+        _fail("`tool_choice` needs `tools`, which this server does not support", "tool_choice",
+              "unsupported_parameter")
     if req.response_format and req.response_format.get("type", "text") != "text":
         _fail("only `response_format` {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
     if req.top_logprobs is not None:
-        _range(req.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
+        _range(req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if not req.logprobs:
             _fail("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         _fail(f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}", "max_completion_tokens")
     text = chat_prompt(ctx, req)
-    ids = prompt_ids(ctx, list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"]))
+    prompt = list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _max_tokens(ctx, req, [ids], requested, "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return OpenAIPlan([ids], _sampling_params(req, max_tokens, logprobs), req.stream, _include_usage(req),
-                      logprobs)
+    ids, params = _settle(ctx, req, [prompt], requested, logprobs, None, "messages")
+    return OpenAIPlan(ids, params, req.stream, _include_usage(req), logprobs)

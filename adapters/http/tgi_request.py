@@ -1,28 +1,36 @@
-"""TGI request bodies and their mapping to `SamplingParams`, with TGI's validation rules.
+"""TGI request bodies: TGI's own validation rules, then TGI's names translated onto vLLM's parameter dict
+and the engine's request contract (`sampling_params_from_dict`, `validate`, `fit_max_tokens`).
 
 Decoding follows TGI: sampling when `do_sample` is true or any warper is set (`temperature` != 1,
 `top_k`, `top_p`); greedy otherwise. Stop sequences stay in the generated text, as in TGI.
+`max_new_tokens` absent means 100 (TGI's default); `null` means all that fits the context and KV cache.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from pydantic import Field
 
 from paged_backend import SamplingParams
+from paged_backend.errors import InvalidRequest
+from paged_backend.request_params import sampling_params_from_dict
+from paged_backend.sampling_params import RequestOutputKind
 
 from .body import StrictBody
-from .errors import ValidationFailed
-from .generation import ServerContext, check_max_new_tokens, max_new_tokens_limit, prompt_ids
+from .context import ServerContext
+from .errors import ValidationFailed, refusal
 
 MAX_BEST_OF = 4
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5
-DEFAULT_GENERATION_LENGTH = 1024  # TGI's default when max_new_tokens is absent (capped by what fits)
+DEFAULT_MAX_NEW_TOKENS = 100  # TGI's default when max_new_tokens is absent
 _U64 = 2 ** 64
+# the engine's parameter names -> TGI's, for errors
+TGI_NAMES = {"max_tokens": "max_new_tokens", "logprobs": "top_n_tokens", "prompt": "inputs", "n": "best_of",
+             "truncate_prompt_tokens": "truncate"}
 
 
 class TGIParameters(StrictBody):
@@ -132,47 +140,38 @@ def _check_ranges(p: TGIParameters, best_of: int, stream: bool) -> None:
         _fail(f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {p.top_n_tokens}", "top_n_tokens")
 
 
-def _tokenize(ctx: ServerContext, inputs: str, truncate: Optional[int]) -> List[int]:
-    if inputs == "":
-        _fail("`inputs` cannot be empty", "inputs")
-    max_input = ctx.max_model_len - 1
-    if truncate is not None and not 0 < truncate <= max_input:
-        _fail(f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}", "truncate")
-    ids = list(ctx.tokenizer(inputs)["input_ids"])
-    if truncate is not None:
-        ids = ids[-truncate:]
-    if len(ids) > max_input:
-        _fail(f"`inputs` must have less than {ctx.max_model_len} tokens. Given: {len(ids)}", "inputs")
-    return prompt_ids(ctx, ids)
+def vllm_values(p: TGIParameters, best_of: int, seed: Optional[int]) -> Dict[str, Any]:
+    """TGI's parameters under vLLM's names (what `sampling_params_from_dict` reads)."""
+    sampling = is_sampling(p)
+    values: Dict[str, Any] = {
+        "n": best_of, "best_of": best_of, "temperature": (p.temperature or 1.0) if sampling else 0.0,
+        "repetition_penalty": p.repetition_penalty, "frequency_penalty": p.frequency_penalty, "seed": seed,
+        "stop": list(p.stop or []) or None, "include_stop_str_in_output": True, "logprobs": p.top_n_tokens or 0,
+        "max_tokens": p.max_new_tokens, "truncate_prompt_tokens": p.truncate}
+    if sampling:
+        values.update(top_k=p.top_k, top_p=p.top_p)
+    return values
 
 
 def plan_tgi(ctx: ServerContext, request: TGIRequest, stream: bool) -> TGIPlan:
-    """Validate a TGI request as TGI would and build its SamplingParams."""
+    """Validate a TGI request as TGI would and build its SamplingParams (blocking: tokenizes)."""
     p = request.params
     best_of = p.best_of if p.best_of is not None else 1
     _check_unsupported(p)
     _check_ranges(p, best_of, stream)
-    ids = _tokenize(ctx, request.inputs, p.truncate)
-    if p.max_new_tokens is None:
-        max_new = min(DEFAULT_GENERATION_LENGTH, max_new_tokens_limit(ctx, len(ids), best_of))
-        if max_new < 1:
-            _fail(f"no room is left for new tokens after {len(ids)} input tokens", "inputs")
-    else:
-        max_new = p.max_new_tokens
-        check_max_new_tokens(ctx, len(ids), max_new, best_of, "max_new_tokens")
-    sampling = is_sampling(p)
-    seed = (p.seed if p.seed is not None else random.getrandbits(63)) if sampling else None
+    if request.inputs == "":
+        _fail("`inputs` cannot be empty", "inputs")
+    max_input = ctx.max_model_len - 1
+    if p.truncate is not None and not 0 < p.truncate <= max_input:
+        _fail(f"`truncate` must be strictly positive and less than {max_input}. Given: {p.truncate}", "truncate")
+    seed = (p.seed if p.seed is not None else random.getrandbits(63)) if is_sampling(p) else None
+    kind = RequestOutputKind.DELTA  # streamed or not, replies are built from the engine's per-step deltas
+    default = None if "max_new_tokens" in p.model_fields_set else DEFAULT_MAX_NEW_TOKENS
     try:
-        params = SamplingParams(
-            n=best_of, best_of=best_of,
-            temperature=(p.temperature if p.temperature is not None else 1.0) if sampling else 0.0,
-            top_k=p.top_k if sampling and p.top_k is not None else -1,
-            top_p=p.top_p if sampling and p.top_p is not None else 1.0,
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
-            frequency_penalty=p.frequency_penalty if p.frequency_penalty is not None else 0.0,
-            seed=seed, stop=list(p.stop or []) or None, include_stop_str_in_output=True,
-            max_tokens=max_new, logprobs=p.top_n_tokens or 0)
-    except ValueError as exc:
-        raise ValidationFailed(str(exc)) from None
+        params = sampling_params_from_dict(vllm_values(p, best_of, seed), output_kind=kind)
+        ids = ctx.engine.validate(request.inputs, params)
+        params = ctx.engine.fit_max_tokens(len(ids), params, default=default, param="max_new_tokens")
+    except InvalidRequest as exc:
+        raise refusal(exc, TGI_NAMES) from None
     return TGIPlan(request.inputs, ids, params, best_of, seed, p.details, p.decoder_input_details,
                    p.top_n_tokens or 0, bool(p.return_full_text))

@@ -199,25 +199,28 @@ def min_new_tokens(config: GenerationConfig, input_len: int, eos_ids: Optional[L
 
 def sampling_params(resolved: ResolvedConfig, input_len: int, eos_ids: Optional[List[int]], seed: Optional[int],
                     output_scores: bool):
-    """The engine's `SamplingParams` for one prompt row, equivalent to transformers' processors and criteria."""
-    from paged_backend import SamplingParams
+    """The engine's `SamplingParams` for one prompt row, equivalent to transformers' processors and criteria:
+    transformers' names translated onto vLLM's, read by the engine's one mapping (`request_params`)."""
+    from paged_backend.request_params import sampling_params_from_dict
 
     config = resolved.config
     max_tokens = config.max_length - input_len
-    common = dict(n=resolved.num_return_sequences, max_tokens=max_tokens,
-                  min_tokens=min(min_new_tokens(config, input_len, eos_ids), max_tokens),
-                  repetition_penalty=float(config.repetition_penalty or 1.0),
-                  stop_token_ids=list(eos_ids or []), ignore_eos=True, output_scores=output_scores,
-                  detokenize=False)  # stop strings are matched on token ids, as transformers does
+    values: Dict[str, Any] = dict(
+        n=resolved.num_return_sequences, max_tokens=max_tokens,
+        min_tokens=min(min_new_tokens(config, input_len, eos_ids), max_tokens),
+        repetition_penalty=float(config.repetition_penalty or 1.0), stop_token_ids=list(eos_ids or []),
+        ignore_eos=True,  # transformers' EOS ids are the stop_token_ids above
+        detokenize=False)  # stop strings are matched on token ids, as transformers does
     if resolved.use_beam_search:
-        return SamplingParams(temperature=0.0, beam_width=config.num_beams,
-                              length_penalty=float(config.length_penalty), early_stopping=config.early_stopping,
-                              **common)
-    if config.do_sample is not True:
-        return SamplingParams(temperature=0.0, **common)
-    top_k = config.top_k if config.top_k else -1
-    top_p = 1.0 if config.top_p is None else float(config.top_p)
-    if top_p == 0.0:  # transformers keeps the single most likely token
-        top_k, top_p = 1, 1.0
-    return SamplingParams(temperature=float(config.temperature), top_k=top_k, top_p=top_p,
-                          min_p=float(config.min_p or 0.0), seed=seed, **common)
+        values.update(temperature=0.0, beam_width=config.num_beams, length_penalty=float(config.length_penalty),
+                      early_stopping=config.early_stopping)
+    elif config.do_sample is not True:
+        values.update(temperature=0.0)
+    else:
+        top_k = config.top_k or 0  # 0 disables top-k in both
+        top_p = 1.0 if config.top_p is None else float(config.top_p)
+        if top_p == 0.0:  # transformers keeps the single most likely token
+            top_k, top_p = 1, 1.0
+        values.update(temperature=float(config.temperature), top_k=top_k, top_p=top_p,
+                      min_p=float(config.min_p or 0.0), seed=seed)
+    return sampling_params_from_dict(values, output_scores=output_scores)

@@ -1,10 +1,13 @@
 """The engine side of the Triton model: an `AsyncLLMEngine` on its own event-loop thread.
 
-`submit()` hands a parsed request over and returns at once. Each request runs as a task on the loop;
-its responses go through a single sender thread (so Triton's IPC never stalls the loop), and the last
-one is always flagged final: after success, errors, cancellation and shutdown alike. A watcher polls
-`is_cancelled()` of every live request and aborts cancelled ones in the engine, which frees their
-blocks. Triton types stay out of this file: requests are reached through the `RequestHandle` protocol.
+`submit()` hands a parsed request over and returns at once. Each request is admitted through the engine's
+contract (`validate`, `fit_max_tokens` with vLLM's default of 16 new tokens; tokenizing in a worker thread)
+and runs as a task on the loop; its responses go through a single sender thread (so Triton's IPC never
+stalls the loop), and the last one is always flagged final: after success, errors, cancellation and
+shutdown alike. A watcher polls `is_cancelled()` of every live request and aborts cancelled ones in the
+engine, which frees their blocks. An engine that cannot continue (`EngineDeadError`) answers UNAVAILABLE
+and calls `on_dead` once (the model then unloads itself, so Triton reports it not ready). Triton types
+stay out of this file: requests are reached through the `RequestHandle` protocol.
 """
 
 from __future__ import annotations
@@ -15,15 +18,16 @@ import queue
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Protocol
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
-from paged_backend import AsyncLLMEngine
+from paged_backend import AsyncLLMEngine, SamplingParams
+from paged_backend.errors import EngineClosedError, EngineDeadError, InvalidRequest
 from paged_backend.metrics import EngineStats
 
-from .outputs import StreamState, build_outputs
-from .params import GenerateRequest
+from .request_inputs import VLLM_DEFAULT_MAX_TOKENS, GenerateRequest
+from .response_outputs import StreamState, build_outputs
 
 INVALID_ARG, INTERNAL, CANCELLED, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "CANCELLED", "UNAVAILABLE"
 
@@ -55,10 +59,13 @@ class EngineService:
 
     def __init__(self, engine: AsyncLLMEngine, logger: Logger,
                  on_stats: Optional[Callable[[EngineStats], None]] = None,
-                 cancel_poll_s: float = 0.2, stats_interval_s: float = 0.5) -> None:
+                 cancel_poll_s: float = 0.2, stats_interval_s: float = 0.5,
+                 on_dead: Optional[Callable[[BaseException], None]] = None) -> None:
         self.engine = engine
         self.logger = logger
         self.on_stats = on_stats
+        self.on_dead = on_dead
+        self._dead_reported = False
         self.cancel_poll_s = cancel_poll_s
         self.stats_interval_s = stats_interval_s
         self._ids = itertools.count()
@@ -102,6 +109,12 @@ class EngineService:
         if self._closing:
             self.send(handle, None, RequestError("the model is shutting down", UNAVAILABLE), True)
             return request_id
+        dead = self.engine_dead()
+        if dead is not None:
+            self.send(handle, None, RequestError(f"the model is unavailable: the engine cannot continue: {dead}",
+                                                 UNAVAILABLE), True)
+            self._report_dead(dead)
+            return request_id
         asyncio.run_coroutine_threadsafe(self._start_request(request_id, request, handle), self._loop)
         return request_id
 
@@ -117,30 +130,58 @@ class EngineService:
         task = asyncio.ensure_future(self._serve(request_id, request, handle))
         self._active[request_id] = (task, handle)
 
+    def _admit(self, request: GenerateRequest) -> Tuple[List[int], SamplingParams]:
+        """The prompt's token ids and the params with max_tokens settled (blocking: tokenizes)."""
+        ids = self.engine.validate(request.prompt, request.params)
+        return ids, self.engine.fit_max_tokens(len(ids), request.params, default=VLLM_DEFAULT_MAX_TOKENS)
+
+    def engine_dead(self) -> Optional[BaseException]:
+        """Why the engine cannot serve, or None while it can."""
+        return self.engine.errored
+
+    def _report_dead(self, exc: BaseException) -> None:
+        if not self._dead_reported:
+            self._dead_reported = True
+            self.logger.log_error(f"[paged_backend] the engine cannot continue: {exc}")
+            if self.on_dead is not None:
+                self.on_dead(exc)
+
     async def _serve(self, request_id: str, request: GenerateRequest, handle: RequestHandle) -> None:
-        state, last = StreamState(), None
+        state, loop = StreamState(), asyncio.get_running_loop()
+        decode = self._decode_token
         try:
-            async for output in self.engine.generate(request.prompt, request.params, request_id):
-                last = output
-                if request.stream and not output.finished:
-                    self.send(handle, build_outputs(request, output, state), None, False)
-            if last is None or last.error is not None:
-                reason = last.error if last is not None else "the engine returned no output"
-                self.send(handle, None, RequestError(reason, INVALID_ARG), True)
-            else:
-                self.send(handle, build_outputs(request, last, state), None, True)
+            ids, params = await loop.run_in_executor(None, self._admit, request)
+            async for output in self.engine.generate(ids, params, request_id):
+                if output.finished and output.error is not None:
+                    self.logger.log_error(f"[paged_backend] {request_id} failed: {output.error}")
+                    self.send(handle, None, RequestError(f"generation failed: {output.error}", INTERNAL), True)
+                    return
+                if output.finished and any(c.finish_reason == "abort" for c in output.outputs):
+                    raise asyncio.CancelledError()  # aborted in the engine: answered as a cancellation below
+                if request.stream or output.finished:
+                    self.send(handle, build_outputs(request, output, state, decode), None, output.finished)
+                if output.finished:
+                    return
+            self.send(handle, None, RequestError("the engine returned no final output", INTERNAL), True)
         except asyncio.CancelledError:
             await self.engine.abort(request_id)
             reason = "the model is shutting down" if self._closing else "request was cancelled"
             self.send(handle, None, RequestError(reason, UNAVAILABLE if self._closing else CANCELLED), True)
             self.logger.log_info(f"[paged_backend] {request_id}: {reason}; aborted in the engine")
-        except ValueError as exc:
+        except InvalidRequest as exc:
             self.send(handle, None, RequestError(str(exc), INVALID_ARG), True)
+        except (EngineDeadError, EngineClosedError) as exc:
+            self.send(handle, None, RequestError(f"the model is unavailable: {exc}", UNAVAILABLE), True)
+            if isinstance(exc, EngineDeadError):
+                self._report_dead(exc)
         except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
             self.logger.log_error(f"[paged_backend] {request_id} failed: {traceback.format_exc()}")
             self.send(handle, None, RequestError(f"generation failed: {exc}", INTERNAL), True)
         finally:
             self._active.pop(request_id, None)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer is not None else ""
 
     # ---- watchers ----------------------------------------------------------------------------
     async def _watch_cancellations(self) -> None:

@@ -19,11 +19,11 @@ from fastapi.responses import JSONResponse, Response
 
 from paged_backend import CompletionOutput, RequestOutput
 
-from .body import parse_body
+from .context import ServerContext
+from .engine_requests import (ClosingStreamingResponse, TokenInfo, final_output, finite, merge, request_outputs,
+                              token_infos, unless_disconnected)
 from .errors import APIError
-from .generation import (ClosingStreamingResponse, OutputTracker, ServerContext, TokenInfo, final_output, finite,
-                         merge, request_outputs, unless_disconnected)
-from .openai_params import ChatRequest, CompletionRequest, OpenAIPlan, plan_chat, plan_completion
+from .openai_request import ChatRequest, CompletionRequest, OpenAIPlan, plan_chat, plan_completion
 
 router = APIRouter(prefix="/v1")
 FINGERPRINT = "paged-backend"
@@ -80,55 +80,55 @@ async def _gather(coros: List[Coroutine]) -> list:
     return [t.result() for t in tasks]
 
 
-def _usage(plan: OpenAIPlan, outputs: List[Optional[RequestOutput]]) -> dict:
+def _usage(plan: OpenAIPlan, completion_tokens: int) -> dict:
     prompt = sum(len(p) for p in plan.prompts)
-    completion = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+def _generated(outputs: List[RequestOutput]) -> int:
+    return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
 def _sse(payload) -> str:
     return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
 
 
-def _stops_to_hold(plan: OpenAIPlan) -> List[str]:
-    return [] if plan.params.include_stop_str_in_output else plan.params.stop_strings
-
-
 async def _run(request: Request, plan: OpenAIPlan, prefix: str) -> List[RequestOutput]:
     ctx = _ctx(request)
     rid = uuid.uuid4().hex
-    slot = ctx.acquire()
-    try:
-        work = _gather([final_output(ctx, ids, plan.params, f"{prefix}-{rid}-{i}")
-                        for i, ids in enumerate(plan.prompts)])
-        return await unless_disconnected(request, work)
-    finally:
-        slot.release()
+    work = _gather([final_output(ctx, ids, params, f"{prefix}-{rid}-{i}")
+                    for i, (ids, params) in enumerate(zip(plan.prompts, plan.params))])
+    return await unless_disconnected(request, work)
 
 
-async def _chunks(ctx: ServerContext, plan: OpenAIPlan, prefix: str, make_choice, header: dict,
-                  finals: List[Optional[RequestOutput]]) -> AsyncIterator[str]:
-    """The SSE chunks of a streamed request: one per update, then usage, then [DONE]."""
+async def _chunks(ctx: ServerContext, plan: OpenAIPlan, prefix: str, make_choice, header: dict) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed request: one per sequence and engine step (the engine reports deltas:
+    new tokens and settled text), then usage, then [DONE]."""
     rid = uuid.uuid4().hex
-    streams = [request_outputs(ctx, ids, plan.params, f"{prefix}-{rid}-{i}") for i, ids in enumerate(plan.prompts)]
-    trackers = [OutputTracker(_stops_to_hold(plan)) for _ in plan.prompts]
+    streams = [request_outputs(ctx, ids, params, f"{prefix}-{rid}-{i}")
+               for i, (ids, params) in enumerate(zip(plan.prompts, plan.params))]
     usage = {"usage": None} if plan.include_usage else {}
+    generated = 0
     try:
-        async for i, output in merge(streams):
-            if output.finished:
-                finals[i] = output
-            for update in trackers[i].update(output):
-                for choice in make_choice(i, update):
+        async for i, delta in merge(streams):
+            for comp in delta.outputs:
+                generated += len(comp.token_ids)
+                for choice in make_choice(i, comp):
                     yield _sse({**header, "choices": [choice], **usage})
         if plan.include_usage:
-            yield _sse({**header, "choices": [], "usage": _usage(plan, finals)})
+            yield _sse({**header, "choices": [], "usage": _usage(plan, generated)})
     except APIError as exc:
         yield _sse(exc.openai_body())
     yield "data: [DONE]\n\n"
 
 
-def _stream_reply(request: Request, chunks: AsyncIterator[str]) -> Response:
-    slot = _ctx(request).acquire()
+async def _plan(request: Request, model, plan_fn) -> OpenAIPlan:
+    ctx = _ctx(request)
+    body = await ctx.read(request, model)
+    return await ctx.blocking(plan_fn, ctx, body)
+
+
+def _stream_reply(chunks: AsyncIterator[str], slot) -> Response:
     return ClosingStreamingResponse(chunks, on_close=slot.release, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -142,82 +142,98 @@ async def models(request: Request) -> Response:
          "owned_by": "paged-backend", "max_model_len": ctx.max_model_len}]})
 
 
+async def _serve(request: Request, model, plan_fn, stream_fn, reply_fn) -> Response:
+    """Admit, plan (off the event loop) and answer one OpenAI request, streamed or not."""
+    ctx = _ctx(request)
+    slot = ctx.acquire()
+    try:
+        plan = await _plan(request, model, plan_fn)
+        if plan.stream:
+            reply = _stream_reply(stream_fn(ctx, plan), slot)
+            slot = None  # the streaming reply releases it
+            return reply
+        return reply_fn(ctx, plan, await _run(request, plan, "cmpl" if model is CompletionRequest else "chatcmpl"))
+    finally:
+        if slot is not None:
+            slot.release()
+
+
 @router.post("/completions")
 async def completions(request: Request) -> Response:
-    ctx = _ctx(request)
-    plan = plan_completion(ctx, await parse_body(request, CompletionRequest))
-    header = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-              "model": ctx.model_name, "system_fingerprint": FINGERPRINT}
-    n = plan.params.n
-    if plan.stream:
-        return _stream_reply(request, _completion_chunks(ctx, plan, header))
-    outputs = await _run(request, plan, "cmpl")
+    return await _serve(request, CompletionRequest, plan_completion, _completion_chunks, _completion_reply)
+
+
+def _completion_header(ctx: ServerContext) -> dict:
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": ctx.model_name, "system_fingerprint": FINGERPRINT}
+
+
+def _completion_reply(ctx: ServerContext, plan: OpenAIPlan, outputs: List[RequestOutput]) -> Response:
     choices = []
     for i, output in enumerate(outputs):
         echo = plan.echo_texts[i] if plan.echo_texts else ""
         for comp in output.outputs:
             logprobs = completion_logprobs(ctx, _infos(ctx, comp), len(echo)) if plan.logprobs is not None else None
-            choices.append({"index": i * n + comp.index, "text": echo + comp.text, "logprobs": logprobs,
+            choices.append({"index": i * plan.n + comp.index, "text": echo + comp.text, "logprobs": logprobs,
                             "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
-    return JSONResponse({**header, "choices": choices, "usage": _usage(plan, outputs)})
+    return JSONResponse({**_completion_header(ctx), "choices": choices,
+                         "usage": _usage(plan, _generated(outputs))})
 
 
-def _completion_chunks(ctx: ServerContext, plan: OpenAIPlan, header: dict) -> AsyncIterator[str]:
-    n = plan.params.n
+def _completion_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[str]:
     echoed = set()
     offsets: Dict[int, int] = {}
 
-    def make_choice(i: int, update) -> List[dict]:
-        index = i * n + update.index
-        text = update.text
+    def make_choice(i: int, delta: CompletionOutput) -> List[dict]:
+        index = i * plan.n + delta.index
+        text = delta.text
         if plan.echo_texts and index not in echoed:
             echoed.add(index)
             text = plan.echo_texts[i] + text
         logprobs = None
         if plan.logprobs is not None:
-            logprobs = completion_logprobs(ctx, update.tokens, offsets.get(index, 0))
+            logprobs = completion_logprobs(ctx, token_infos(delta), offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-        if not text and update.finish_reason is None and not update.tokens:
-            return []
-        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": update.finish_reason}]
+        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}]
 
-    return _chunks(ctx, plan, "cmpl", make_choice, header, [None] * len(plan.prompts))
+    return _chunks(ctx, plan, "cmpl", make_choice, _completion_header(ctx))
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    ctx = _ctx(request)
-    plan = plan_chat(ctx, await parse_body(request, ChatRequest))
-    created = int(time.time())
-    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    if plan.stream:
-        header = {"id": chat_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                  "system_fingerprint": FINGERPRINT}
-        return _stream_reply(request, _chat_chunks(ctx, plan, header))
-    (output,) = await _run(request, plan, "chatcmpl")
+    return await _serve(request, ChatRequest, plan_chat, _chat_chunks, _chat_reply)
+
+
+def _chat_header(ctx: ServerContext, kind: str) -> dict:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": ctx.model_name, "system_fingerprint": FINGERPRINT}
+
+
+def _chat_reply(ctx: ServerContext, plan: OpenAIPlan, outputs: List[RequestOutput]) -> Response:
+    (output,) = outputs
     choices = []
     for comp in output.outputs:
         logprobs = chat_logprobs(ctx, _infos(ctx, comp), plan.logprobs) if plan.logprobs is not None else None
         choices.append({"index": comp.index, "message": {"role": "assistant", "content": comp.text},
                         "logprobs": logprobs, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
-    return JSONResponse({"id": chat_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                         "system_fingerprint": FINGERPRINT, "choices": choices, "usage": _usage(plan, [output])})
+    return JSONResponse({**_chat_header(ctx, "chat.completion"), "choices": choices,
+                         "usage": _usage(plan, _generated(outputs))})
 
 
-def _chat_chunks(ctx: ServerContext, plan: OpenAIPlan, header: dict) -> AsyncIterator[str]:
+def _chat_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[str]:
     started = set()
 
-    def make_choice(i: int, update) -> List[dict]:
+    def make_choice(i: int, delta: CompletionOutput) -> List[dict]:
         choices = []
-        if update.index not in started:
-            started.add(update.index)
-            choices.append({"index": update.index, "delta": {"role": "assistant", "content": ""},
+        if delta.index not in started:
+            started.add(delta.index)
+            choices.append({"index": delta.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
-        if update.text or update.finish_reason is not None or (plan.logprobs is not None and update.tokens):
-            logprobs = chat_logprobs(ctx, update.tokens, plan.logprobs) if plan.logprobs is not None else None
-            delta = {"content": update.text} if update.text else {}
-            choices.append({"index": update.index, "delta": delta, "logprobs": logprobs,
-                            "finish_reason": update.finish_reason})
+        if delta.text or delta.finish_reason is not None or (plan.logprobs is not None and delta.token_ids):
+            logprobs = chat_logprobs(ctx, token_infos(delta), plan.logprobs) if plan.logprobs is not None else None
+            content = {"content": delta.text} if delta.text else {}
+            choices.append({"index": delta.index, "delta": content, "logprobs": logprobs,
+                            "finish_reason": delta.finish_reason})
         return choices
 
-    return _chunks(ctx, plan, "chatcmpl", make_choice, header, [None])
+    return _chunks(ctx, plan, "chatcmpl", make_choice, _chat_header(ctx, "chat.completion.chunk"))

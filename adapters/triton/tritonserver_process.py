@@ -1,9 +1,10 @@
 """Run the real `tritonserver` shipped in the `nvidia-pytriton` wheel on a model repository.
 
 The set-up the wheel needs on a plain machine: a backend folder holding the Python backend with the
-stub for the running interpreter's version, the running interpreter's libpython first on
-LD_LIBRARY_PATH (so the stub loads the same build as the standard library it imports), and this
-environment's `bin` first on PATH (so `model.py` imports this environment's packages).
+stub for the running interpreter's version (and paged-backend's own Python-based backend beside it), the
+running interpreter's libpython first on LD_LIBRARY_PATH (so the stub loads the same build as the
+standard library it imports), and this environment's `bin` first on PATH (so the model imports this
+environment's packages).
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def python_version() -> str:
 
 
 def prepare_backend_dir(dist: TritonDistribution, target: Path) -> Path:
-    """A backend folder `target/python` with the Python backend and the stub for this interpreter."""
+    """A backend folder: `target/python` (the Python backend and the stub for this interpreter) and
+    `target/paged_backend` (paged-backend's Python-based backend)."""
+    from .repository import install_backend
+
     stub = dist.stub(python_version())
     if not stub.is_file():
         raise RuntimeError(f"the wheel has no Python-backend stub for Python {python_version()} ({stub})")
@@ -79,6 +83,7 @@ def prepare_backend_dir(dist: TritonDistribution, target: Path) -> Path:
         shutil.copy2(dist.python_backend / name, python_dir / name)
     shutil.copy2(stub, python_dir / STUB_NAME)
     os.chmod(python_dir / STUB_NAME, 0o755)
+    install_backend(target)
     return target
 
 

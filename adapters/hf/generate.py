@@ -1,146 +1,22 @@
-"""Hugging Face `generate` served by the paged engine, as a drop-in.
-
-    attach(model, tokenizer=tok, block_size=16, kv_cache_memory="512MiB")   # engine options as in LLM(...)
-    out = model.generate(**tok(prompts, return_tensors="pt", padding=True), max_new_tokens=40)
-    for event in model.generate_stream(**inputs, max_new_tokens=40): ...   # TokenEvents, no thread
-    detach(model)                                                            # original generate back, KV freed
-
-    model = PagedModelForCausalLM.from_pretrained("smollm2", kv_cache_memory="256MiB")  # load + attach
-
-One `LLMEngine` per attached model, reused by every call; a call adds one request per prompt row and
-steps them together (continuous batching). Arguments resolve exactly as in transformers; anything the
-engine cannot reproduce raises a ValueError naming it. See docs/hf.md.
-"""
+"""One `generate` / `generate_stream` call of an attached model: refuse what the engine cannot reproduce,
+resolve the arguments as transformers does, and run the prompt rows through the engine."""
 
 from __future__ import annotations
 
-import gc
-import threading
 import warnings
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-from paged_backend import LLMEngine
+from .attachment import Attachment, attachment_of
+from .generation_config import (UNSUPPORTED_GENERATE_ARGS, ResolvedConfig, check_supported, prepare_lengths,
+                                resolve_generation_config, sampling_params, special_tokens)
+from .outputs import UNMATCHED_ROWS_WARNING, OutputOptions
+from .prompts import prepare_prompts
+from .runner import BeamRun, Plan, SamplingRun
+from .streaming import GenerationStream
 
-from .hf_config import (UNSUPPORTED_GENERATE_ARGS, ResolvedConfig, check_supported, prepare_lengths,
-                        resolve_generation_config, sampling_params, special_tokens)
-from .hf_inputs import prepare_prompts
-from .hf_outputs import UNMATCHED_ROWS_WARNING, OutputOptions
-from .hf_runner import BeamRun, Plan, SamplingRun
-from .hf_streaming import GenerationStream, TokenEvent
-
-__all__ = ["attach", "detach", "is_attached", "PagedModelForCausalLM", "GenerationStream", "TokenEvent"]
-
-_STATE = "_paged_backend_attachment"
 _SUPPORTED_MODES = ("greedy_search", "sample", "beam_search")
-
-
-class _Attachment:
-    """The engine of one attached model and the lock that serializes its generate calls."""
-
-    def __init__(self, engine: LLMEngine, tokenizer) -> None:
-        self.engine: Optional[LLMEngine] = engine
-        self.tokenizer = tokenizer
-        self._lock = threading.Lock()
-        self._owner: Optional[int] = None
-
-    @contextmanager
-    def guard(self) -> Iterator[LLMEngine]:
-        if self._owner == threading.get_ident():
-            raise RuntimeError("a generate call on this model is still running in this thread (an unfinished "
-                               "generate_stream?): exhaust or close() it first")
-        with self._lock:
-            if self.engine is None:
-                raise RuntimeError("the model was detached from the paged backend")
-            self._owner = threading.get_ident()
-            try:
-                yield self.engine
-            finally:
-                self._owner = None
-
-
-def _attachment(model) -> _Attachment:
-    state = model.__dict__.get(_STATE)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} is not attached to the paged backend: call attach(model) first")
-    return state
-
-
-def is_attached(model) -> bool:
-    return isinstance(getattr(model, "__dict__", {}).get(_STATE), _Attachment)
-
-
-def attach(model: torch.nn.Module, tokenizer=None, **engine_options) -> torch.nn.Module:
-    """Serve `model.generate` (and add `model.generate_stream`) through a paged engine built for this model.
-    `engine_options` are LLM(...)'s (block_size, num_blocks, kv_cache_memory, max_num_seqs, ...)."""
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generation_config"):
-        raise ValueError(f"attach needs a transformers model with a generation_config, got {type(model).__name__}")
-    if is_attached(model):
-        raise ValueError("this model is already attached to the paged backend; detach(model) first")
-    for name in ("dtype", "device"):
-        if name in engine_options:
-            raise ValueError(f"{name!r} is not an attach option: the engine runs the model as it is "
-                             f"(move or cast the model before attaching)")
-    engine = LLMEngine(model, tokenizer=tokenizer, **engine_options)
-    state = _Attachment(engine, tokenizer)
-    model.__dict__[_STATE] = state
-    model.__dict__["paged_engine"] = engine
-    model.__dict__["generate"] = _bind(model, _generate)
-    model.__dict__["generate_stream"] = _bind(model, _generate_stream)
-    return model
-
-
-def detach(model: torch.nn.Module) -> torch.nn.Module:
-    """Restore transformers' own generate and release the engine and its KV cache."""
-    state = _attachment(model)
-    with state.guard() as engine:
-        state.engine = None
-        for name in (_STATE, "paged_engine", "generate", "generate_stream"):
-            model.__dict__.pop(name, None)
-        engine.shutdown()
-    del engine, state
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return model
-
-
-def _bind(model, function):
-    def bound(*args, **kwargs):
-        return function(model, *args, **kwargs)
-
-    bound.__name__ = function.__name__.lstrip("_")
-    bound.__doc__ = function.__doc__
-    return bound
-
-
-class PagedModelForCausalLM:
-    """A factory like transformers' Auto classes: returns the loaded transformers model, already attached."""
-
-    @classmethod
-    def from_pretrained(cls, path_or_preset: str, tokenizer=None, dtype: torch.dtype = torch.float32,
-                        device: str = "cpu", trust_remote_code: bool = False, **engine_options) -> torch.nn.Module:
-        """Load a preset ("smollm2", "tiny-llama", ...) or a local Hugging Face directory (straight onto
-        `device` through accelerate's device map), then `attach` it with `engine_options`. The tokenizer is
-        `model.paged_engine.tokenizer`."""
-        from pathlib import Path
-
-        from paged_backend.loader import PRESETS, load_model
-
-        name = str(path_or_preset)
-        if name in PRESETS or torch.device(device).type == "cpu" or not Path(name).is_dir():
-            model, loaded_tokenizer = load_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=str(device),
-                                                         local_files_only=True, trust_remote_code=trust_remote_code)
-            loaded_tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True,
-                                                             trust_remote_code=trust_remote_code)
-        return attach(model.eval(), tokenizer=tokenizer if tokenizer is not None else loaded_tokenizer,
-                      **engine_options)
 
 
 # ---- one call ----------------------------------------------------------------------------------------
@@ -191,7 +67,7 @@ def _criteria(resolved: ResolvedConfig, user_criteria, tokenizer):
     return merged if len(merged) else None
 
 
-def _plan(model, state: _Attachment, inputs, generation_config, logits_processor, stopping_criteria, streamer,
+def _plan(model, state: Attachment, inputs, generation_config, logits_processor, stopping_criteria, streamer,
           kwargs: Dict[str, Any]) -> Plan:
     kwargs = dict(kwargs)
     _refuse_unsupported_arguments(kwargs, logits_processor, stopping_criteria)
@@ -230,10 +106,10 @@ def _plan(model, state: _Attachment, inputs, generation_config, logits_processor
                 criteria)
 
 
-def _generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
+def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
               stopping_criteria=None, streamer=None, **kwargs):
     """transformers' `generate`, served by the paged engine (same arguments, same outputs; see docs/hf.md)."""
-    state = _attachment(model)
+    state = attachment_of(model)
     plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria, streamer, kwargs)
     if plan.num_beams > 1:
         with state.guard() as engine:
@@ -247,11 +123,11 @@ def _generate(model, inputs: Optional[torch.Tensor] = None, generation_config=No
     return output
 
 
-def _generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
+def generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
                      stopping_criteria=None, streamer=None, **kwargs) -> GenerationStream:
     """Like `generate`, but returns a `GenerationStream`: iterate it for one `TokenEvent` per new token of
     every row (no thread needed); afterwards `stream.output` is what `generate` returns."""
-    state = _attachment(model)
+    state = attachment_of(model)
     plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria, streamer, kwargs)
     if plan.num_beams > 1:
         raise ValueError("generate_stream does not support beam search: beams are only final at the end")

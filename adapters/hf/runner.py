@@ -17,8 +17,8 @@ import torch
 
 from paged_backend import LLMEngine, RequestOutput, SamplingParams
 
-from .hf_inputs import PromptBatch
-from .hf_outputs import (BeamResult, OutputOptions, beam_fill_value, beam_output, decoder_only_output,
+from .prompts import PromptBatch
+from .outputs import (BeamResult, OutputOptions, beam_fill_value, beam_output, decoder_only_output,
                          expanded_prompt, neg_inf_rows)
 
 _call_ids = itertools.count()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Dict, List, Optional
 
 from fastapi import APIRouter, Request
@@ -17,12 +18,11 @@ from fastapi.responses import JSONResponse, Response
 import paged_backend
 from paged_backend import CompletionOutput
 
-from .body import parse_body
-from .errors import APIError
-from .generation import (ClosingStreamingResponse, OutputTracker, ServerContext, Slot, TokenInfo, final_output,
-                         request_outputs, unless_disconnected)
-from .tgi_params import (MAX_BEST_OF, MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, TGIPlan, TGIRequest, TokenizeRequest,
-                         plan_tgi)
+from .context import ServerContext, Slot
+from .engine_requests import ClosingStreamingResponse, TokenInfo, request_outputs, token_infos, unless_disconnected
+from .errors import APIError, ValidationFailed
+from .tgi_request import (MAX_BEST_OF, MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, TGIPlan, TGIRequest, TokenizeRequest,
+                          plan_tgi)
 
 router = APIRouter()
 
@@ -55,9 +55,27 @@ def _prefill(ctx: ServerContext, plan: TGIPlan) -> List[dict]:
     return [{"id": tid, "text": ctx.decode_token(tid), "logprob": None} for tid in plan.prompt_ids]
 
 
-def _sequence_details(ctx: ServerContext, plan: TGIPlan, comp: CompletionOutput,
-                      tokens: List[TokenInfo]) -> dict:
-    details = {"finish_reason": tgi_finish_reason(comp), "generated_tokens": len(comp.token_ids),
+@dataclass
+class Sequence:
+    """One returned sequence, gathered from the engine's deltas."""
+
+    text: str = ""
+    tokens: List[TokenInfo] = field(default_factory=list)
+    final: Optional[CompletionOutput] = None
+
+    def add(self, delta: CompletionOutput) -> List[TokenInfo]:
+        """Take one delta; returns its tokens (the delta's text is the piece of its last token)."""
+        infos = token_infos(delta)
+        self.text += delta.text
+        self.tokens += infos
+        if delta.finish_reason is not None:
+            self.final = delta
+        return infos
+
+
+def _sequence_details(ctx: ServerContext, plan: TGIPlan, seq: Sequence) -> dict:
+    comp, tokens = seq.final, seq.tokens
+    details = {"finish_reason": tgi_finish_reason(comp), "generated_tokens": len(tokens),
                "seed": plan.seed, "prefill": _prefill(ctx, plan), "tokens": [_token(ctx, t) for t in tokens]}
     if plan.top_n_tokens:
         details["top_tokens"] = [_top_tokens(ctx, t, plan.top_n_tokens) for t in tokens]
@@ -70,18 +88,18 @@ def _full_text(plan: TGIPlan, text: str) -> str:
 
 async def generate_response(ctx: ServerContext, plan: TGIPlan) -> dict:
     """Run a request to the end and shape the reply as TGI's `/generate` does."""
-    tokens: Dict[int, List[TokenInfo]] = {}
-    output = await final_output(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}",
-                                OutputTracker(), tokens)
-    ranked = sorted(output.outputs, key=lambda c: c.cumulative_logprob, reverse=True)
+    seqs: Dict[int, Sequence] = {}
+    async for delta in request_outputs(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}"):
+        for comp in delta.outputs:
+            seqs.setdefault(comp.index, Sequence()).add(comp)
+    ranked = sorted(seqs.values(), key=lambda q: q.final.cumulative_logprob, reverse=True)
     best = ranked[0]
     reply = {"generated_text": _full_text(plan, best.text)}
     if plan.details or plan.decoder_input_details:
-        details = _sequence_details(ctx, plan, best, tokens.get(best.index, []))
+        details = _sequence_details(ctx, plan, best)
         if plan.best_of > 1:
-            details["best_of_sequences"] = [
-                {"generated_text": _full_text(plan, c.text), **_sequence_details(ctx, plan, c, tokens.get(c.index, []))}
-                for c in ranked[1:]]
+            details["best_of_sequences"] = [{"generated_text": _full_text(plan, q.text),
+                                             **_sequence_details(ctx, plan, q)} for q in ranked[1:]]
         reply["details"] = details
     return reply
 
@@ -91,23 +109,23 @@ def _sse(payload: dict) -> str:
 
 
 async def stream_events(ctx: ServerContext, plan: TGIPlan) -> AsyncIterator[str]:
-    """One server-sent event per generated token; the last carries generated_text and details."""
-    tracker = OutputTracker()
-    index = 0
+    """One server-sent event per generated token (the engine reports deltas: new tokens and settled text);
+    the last event carries generated_text and details."""
+    seq, index = Sequence(), 0
     try:
-        async for output in request_outputs(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}"):
-            for update in tracker.update(output):
-                for k, info in enumerate(update.tokens):
+        async for delta in request_outputs(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}"):
+            for comp in delta.outputs:  # best_of is 1 when streaming: one sequence
+                infos = seq.add(comp)
+                for k, info in enumerate(infos):
                     index += 1
                     event = {"index": index, "token": _token(ctx, info), "generated_text": None, "details": None}
                     if plan.top_n_tokens:
                         event["top_tokens"] = _top_tokens(ctx, info, plan.top_n_tokens)
-                    if output.finished and k == len(update.tokens) - 1:
-                        comp = next(c for c in output.outputs if c.index == update.index)
-                        event["generated_text"] = _full_text(plan, comp.text)
+                    if comp.finish_reason is not None and k == len(infos) - 1:
+                        event["generated_text"] = _full_text(plan, seq.text)
                         if plan.details:
                             event["details"] = {"finish_reason": tgi_finish_reason(comp),
-                                                "generated_tokens": len(comp.token_ids), "seed": plan.seed,
+                                                "generated_tokens": len(seq.tokens), "seed": plan.seed,
                                                 "input_length": len(plan.prompt_ids)}
                     yield _sse(event)
     except APIError as exc:
@@ -125,16 +143,19 @@ def _ctx(request: Request) -> ServerContext:
 
 async def _generate(request: Request, stream: bool, compat: bool) -> Response:
     ctx = _ctx(request)
-    body = await parse_body(request, TGIRequest)
-    stream = stream or (compat and body.stream)
-    plan = plan_tgi(ctx, body, stream)
     slot = ctx.acquire()
-    if stream:
-        return streaming_reply(ctx, plan, slot)
     try:
+        body = await ctx.read(request, TGIRequest)
+        stream = stream or (compat and body.stream)
+        plan = await ctx.blocking(plan_tgi, ctx, body, stream)
+        if stream:
+            reply = streaming_reply(ctx, plan, slot)
+            slot = None  # the streaming reply releases it
+            return reply
         reply = await unless_disconnected(request, generate_response(ctx, plan))
     finally:
-        slot.release()
+        if slot is not None:
+            slot.release()
     return JSONResponse([reply] if compat else reply)
 
 
@@ -154,21 +175,30 @@ async def compat_generate(request: Request) -> Response:
     return await _generate(request, stream=False, compat=True)
 
 
+def tokenize_text(ctx: ServerContext, text: str) -> List[dict]:
+    """TGI's /tokenize reply (blocking). Text too long for any prompt is refused without tokenizing."""
+    if text == "":
+        raise ValidationFailed("`inputs` cannot be empty", param="inputs")
+    if len(text) > ctx.engine.max_prompt_chars:
+        raise ValidationFailed(f"`inputs` has {len(text)} characters, more than any prompt that fits the context "
+                               f"can have ({ctx.engine.max_prompt_chars})", param="inputs",
+                               code="context_length_exceeded")
+    encoding = ctx.tokenizer(text, return_offsets_mapping=True)
+    offsets = encoding.get("offset_mapping") or [(0, 0)] * len(encoding["input_ids"])
+    return [{"id": tid, "text": text[start:stop], "start": start, "stop": stop}
+            for tid, (start, stop) in zip(encoding["input_ids"], offsets)]
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     ctx = _ctx(request)
-    body = await parse_body(request, TokenizeRequest)
-    if body.inputs == "":
-        raise APIError(422, "`inputs` cannot be empty", "validation", param="inputs")
-    encoding = ctx.tokenizer(body.inputs, return_offsets_mapping=True)
-    offsets = encoding.get("offset_mapping") or [(0, 0)] * len(encoding["input_ids"])
-    return JSONResponse([{"id": tid, "text": body.inputs[start:stop], "start": start, "stop": stop}
-                         for tid, (start, stop) in zip(encoding["input_ids"], offsets)])
+    body = await ctx.read(request, TokenizeRequest)
+    return JSONResponse(await ctx.blocking(tokenize_text, ctx, body.inputs))
 
 
 def model_info(ctx: ServerContext) -> dict:
     stats = ctx.engine.get_stats()
-    engine = ctx.engine.engine
+    engine = ctx.engine
     return {
         "model_id": ctx.model_name, "model_sha": None, "model_dtype": str(engine.dtype),
         "model_device_type": engine.device.type, "model_pipeline_tag": "text-generation",

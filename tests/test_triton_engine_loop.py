@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from paged_backend import LLM, AsyncLLMEngine, SamplingParams
-from paged_backend.adapters.triton.params import GenerateRequest
-from paged_backend.adapters.triton.service import CANCELLED, INVALID_ARG, UNAVAILABLE, EngineService
+from paged_backend.adapters.triton.engine_loop import CANCELLED, INVALID_ARG, UNAVAILABLE, EngineService
+from paged_backend.adapters.triton.request_inputs import GenerateRequest
+from paged_backend.errors import EngineDeadError
 from paged_backend.loader import load_model
+from paged_backend.sampling_params import RequestOutputKind
 
 NUM_BLOCKS = 48
 
@@ -73,6 +75,13 @@ def service(tiny):
     svc.shutdown()
 
 
+def generate_request(prompt: str, stream: bool = False, **params) -> GenerateRequest:
+    """What request_inputs builds: deltas when streaming, else only the final output."""
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    return GenerateRequest(prompt=prompt, params=SamplingParams(output_kind=kind, **params), stream=stream,
+                           prepend_input=not stream)
+
+
 def _wait_free(svc: EngineService, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -89,8 +98,8 @@ def test_greedy_result_equals_llm_generate(service, tiny):
     expected = LLM(model, tokenizer=tokenizer, num_blocks=NUM_BLOCKS).generate(["Paged attention"], params,
                                                                                use_tqdm=False)[0]
     whole, streamed = FakeRequest(), FakeRequest()
-    service.submit(GenerateRequest(prompt="Paged attention", params=params), whole)
-    service.submit(GenerateRequest(prompt="Paged attention", params=params, stream=True, prepend_input=False),
+    service.submit(generate_request("Paged attention", temperature=0.0, max_tokens=12, ignore_eos=True), whole)
+    service.submit(generate_request("Paged attention", True, temperature=0.0, max_tokens=12, ignore_eos=True),
                    streamed)
     (arrays, error, final), = whole.wait()
     assert error is None and final
@@ -102,10 +111,24 @@ def test_greedy_result_equals_llm_generate(service, tiny):
     assert streamed.texts() == [expected.outputs[0].text]
 
 
+def test_vllm_default_of_16_new_tokens(service):
+    request = FakeRequest()
+    whole = generate_request("Count to sixteen", temperature=0.0, ignore_eos=True)
+    whole.return_num_output_tokens = True
+    service.submit(whole, request)
+    (arrays, error, final), = request.wait()
+    assert error is None and final and arrays["num_output_tokens"].tolist() == [16]
+    streamed = FakeRequest()
+    req = generate_request("Count to sixteen", True, temperature=0.0, ignore_eos=True)
+    req.return_num_output_tokens = True
+    service.submit(req, streamed)
+    streamed.wait()
+    assert sum(int(a["num_output_tokens"][0]) for a, _, _ in streamed.responses) == 16
+
+
 def test_cancelled_request_is_aborted_and_frees_its_blocks(service):
     request = FakeRequest()
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    service.submit(GenerateRequest(prompt="cancel me", params=params, stream=True, prepend_input=False), request)
+    service.submit(generate_request("cancel me", True, temperature=0.0, max_tokens=400, ignore_eos=True), request)
     deadline = time.monotonic() + 30
     while not request.responses and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -122,20 +145,45 @@ def test_cancelled_request_is_aborted_and_frees_its_blocks(service):
 def test_engine_refusal_is_an_error_for_that_request_only(service):
     too_long = FakeRequest()
     fine = FakeRequest()
-    service.submit(GenerateRequest(prompt="word " * 2000, params=SamplingParams(max_tokens=2)), too_long)
-    service.submit(GenerateRequest(prompt="ok", params=SamplingParams(max_tokens=2, temperature=0.0)), fine)
+    too_many = FakeRequest()
+    service.submit(generate_request("word " * 2000, max_tokens=2), too_long)
+    service.submit(generate_request("ok", max_tokens=2000), too_many)
+    service.submit(generate_request("ok", max_tokens=2, temperature=0.0), fine)
     (arrays, error, final), = too_long.wait()
-    assert final and arrays is None and error.code == INVALID_ARG and "tokens" in error.message
+    assert final and arrays is None and error.code == INVALID_ARG and "context" in error.message
+    (arrays, error, final), = too_many.wait()
+    assert final and arrays is None and error.code == INVALID_ARG and "max_tokens" in error.message
     (arrays, error, final), = fine.wait()
     assert error is None and final and arrays["text_output"][0].decode().startswith("ok")
+
+
+def test_a_dead_engine_answers_unavailable_and_reports_itself_once(tiny):
+    model, tokenizer = tiny
+    dead = []
+    engine = AsyncLLMEngine(model, tokenizer=tokenizer, num_blocks=NUM_BLOCKS)
+    svc = EngineService(engine, Logger(), on_dead=dead.append).start()
+    try:
+        def broken(inputs):
+            raise EngineDeadError("tensor-parallel worker rank 1 was killed")
+
+        engine.engine.runner.execute = broken
+        first, later = FakeRequest(), FakeRequest()
+        svc.submit(generate_request("Hi", max_tokens=2), first)
+        (arrays, error, final), = first.wait()
+        assert final and error.code == UNAVAILABLE and "rank 1 was killed" in error.message
+        svc.submit(generate_request("Hi", max_tokens=2), later)
+        (arrays, error, final), = later.wait()
+        assert final and error.code == UNAVAILABLE and svc.engine_dead() is not None
+        assert len(dead) == 1 and isinstance(dead[0], EngineDeadError)
+    finally:
+        svc.shutdown()
 
 
 def test_shutdown_answers_requests_in_flight(tiny):
     model, tokenizer = tiny
     svc = EngineService(AsyncLLMEngine(model, tokenizer=tokenizer, num_blocks=NUM_BLOCKS), Logger()).start()
     request = FakeRequest()
-    svc.submit(GenerateRequest(prompt="long", params=SamplingParams(max_tokens=1000, ignore_eos=True),
-                               stream=True, prepend_input=False), request)
+    svc.submit(generate_request("long", True, max_tokens=700, ignore_eos=True), request)
     deadline = time.monotonic() + 30
     while not request.responses and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -146,6 +194,6 @@ def test_shutdown_answers_requests_in_flight(tiny):
     stats = svc.stats()
     assert stats.num_free_blocks == stats.num_blocks
     late = FakeRequest()
-    svc.submit(GenerateRequest(prompt="late", params=SamplingParams()), late)
+    svc.submit(generate_request("late"), late)
     (arrays, error, final), = late.wait(5)
     assert final and error.code == UNAVAILABLE
