@@ -538,3 +538,15 @@ def test_sigterm_leaves_no_stub_or_shared_memory(server):
     assert not [pid for pid in stubs if os.path.exists(f"/proc/{pid}")], "stub processes outlived the server"
     assert server.shm_regions() == []
     assert "finalizing model 'paged_llm'" in server.log_text()
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 1.0, "top_p": 0.9}, {"temperature": 1.0, "top_k": 50}, {"repetition_penalty": 1.3},
+    {"presence_penalty": 0.5, "frequency_penalty": 0.5}, {"temperature": 1.0, "min_tokens": 3},
+], ids=["top_p", "top_k", "repetition", "presence-frequency", "min_tokens"])
+def test_ordinary_sampling_settings_on_a_float32_model(server, params):
+    """The model runs in float32 (what users run); these settings once failed with INTERNAL."""
+    status, body = post(server, "generate", {"text_input": PROMPTS[0], "exclude_input_in_output": True,
+                                             "sampling_parameters": json.dumps({**params, "max_tokens": 6})})
+    assert status == 200, body
+    assert json.loads(body)["text_output"]

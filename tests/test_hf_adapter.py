@@ -136,3 +136,21 @@ def test_smollm2_float32_real_prompts(smollm2):
         assert_no_leaks(model.paged_engine)
     finally:
         detach(model)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"top_p": 0.9}, {"repetition_penalty": 1.3}, {"min_new_tokens": 4}],
+                         ids=["defaults", "top_p", "repetition", "min_new_tokens"])
+def test_sampling_with_transformers_defaults_in_float32(kwargs):
+    """`generate(do_sample=True)` with transformers' defaults (top_k 50, temperature 1) on a float32 model,
+    which once failed in the sampler."""
+    model, tok = get_model("tiny-llama", torch.float32)
+    attach(model, tokenizer=tok, num_blocks=64, block_size=8)
+    try:
+        enc = left_padded(tok)
+        out = model.generate(**enc, do_sample=True, max_new_tokens=6, pad_token_id=PAD, **kwargs)
+        prompt_len = enc.input_ids.shape[1]
+        assert out.shape[0] == enc.input_ids.shape[0] and prompt_len < out.shape[1] <= prompt_len + 6
+        assert torch.equal(out[:, :prompt_len], enc.input_ids)
+        assert_no_leaks(model.paged_engine)
+    finally:
+        detach(model)
