@@ -74,7 +74,7 @@ def instrumented(engine: LLMEngine, timer: PhaseTimer) -> Iterator[None]:
 
     bm = engine.block_manager
     patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "forward"),
-               (engine.sampler, "sample", "sampling"), (engine, "_process", "bookkeeping"),
+               (engine.sampler, "sample", "sampling"), (engine.tokens, "process", "bookkeeping"),
                (engine_module, "prepare_inputs", "prepare_inputs"), (kernels, "paged_attention", "attention"),
                (kernels, "reshape_and_cache", "attention")]
     patches += [(bm, name, "block_manager") for name in ("can_allocate", "allocate", "can_append_slots",

@@ -174,7 +174,7 @@ def test_eos_stops_unless_ignored(dtype):
     llm = make_llm(dtype=dtype)
     free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
-    llm.engine.eos_token_ids = [free.token_ids[1]]  # pretend the second token is EOS
+    llm.engine.eos_token_ids[:] = [free.token_ids[1]]  # pretend the second token is EOS (one list, shared)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free.token_ids[:2] and out.finish_reason == "stop" and out.stop_reason is None
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
