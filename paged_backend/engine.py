@@ -255,7 +255,12 @@ class LLMEngine:
             if group.request_id in seen or group.request_id not in self.groups:
                 continue
             seen.add(group.request_id)
-            output = self._finalize(group) if group.is_finished() else self._report(self.outputs.build(group))
+            if group.is_finished():
+                output = self._finalize(group)
+            elif group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to report before the end: not even built
+            else:
+                output = self._report(self.outputs.build(group))
             if output is not None:
                 outputs.append(output)
         return outputs

@@ -11,7 +11,7 @@ import torch
 from .engine import LLMEngine, PromptType
 from .metrics import EngineStats
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -50,6 +50,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        params_list = self._final_only(params_list)
         request_ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         try:
             for rid, prompt, params in zip(request_ids, prompt_list, params_list):
@@ -58,6 +59,15 @@ class LLM:
             self.engine.abort_request([r for r in request_ids if r in self.engine.groups])
             raise
         return self._run(request_ids, use_tqdm)
+
+    @staticmethod
+    def _final_only(params_list: List[SamplingParams]) -> List[SamplingParams]:
+        """Only final outputs are returned, so the engine need not build a cumulative one every step."""
+        replaced = {}
+        for params in params_list:
+            if params.output_kind == RequestOutputKind.CUMULATIVE and id(params) not in replaced:
+                replaced[id(params)] = params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+        return [replaced.get(id(p), p) for p in params_list]
 
     def _run(self, request_ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
         done = {}
