@@ -118,9 +118,11 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """`[S, num_kv_heads, B * block_size, head_size]` keys or values of the given blocks."""
+    """`[S, num_kv_heads, B * block_size, head_size]` keys or values of the given blocks (`index_select`
+    copies whole blocks; advanced indexing `cache[blocks]` was 1.5-3x slower on the CPU)."""
     _, block_size, num_kv_heads, head_size = cache.shape
-    return cache[blocks].view(blocks.shape[0], -1, num_kv_heads, head_size).transpose(1, 2)
+    gathered = cache.index_select(0, blocks.reshape(-1))
+    return gathered.view(blocks.shape[0], -1, num_kv_heads, head_size).transpose(1, 2)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -39,7 +39,7 @@ class AttentionMetadata:
     block_size: int
     kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]
     layer_of: Dict[int, int]       # id(attention module) -> cache layer
-    plans: Dict[Optional[int], kernels.AttentionPlan] = field(default_factory=dict)   # by sliding window
+    plans: Dict[Optional[int], Optional[kernels.Plan]] = field(default_factory=dict)   # by sliding window
 
 
 # Keywords transformers' attention functions receive (transformers 5.x) and how we treat them.
@@ -163,10 +163,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     window = options.sliding_window
-    plan = metadata.plans.get(window)
-    if plan is None and kernels.kernel_backend(key_cache) == "torch":
-        plan = metadata.plans[window] = kernels.plan_paged_attention(
-            metadata.block_tables, metadata.context_lens, metadata.query_start_loc, metadata.block_size, window)
+    if window not in metadata.plans:
+        metadata.plans[window] = kernels.plan_attention(key_cache, metadata.block_tables, metadata.context_lens,
+                                                        metadata.query_start_loc, window)
+    plan = metadata.plans[window]
     out = kernels.paged_attention(q.contiguous(), key_cache, value_cache, metadata.block_tables,
                                   metadata.context_lens, metadata.query_start_loc, scaling, plan=plan,
                                   sliding_window=window, softcap=options.softcap, sinks=options.sinks)

@@ -15,7 +15,7 @@ import torch
 
 from kernel_inputs import BASE_SEED, case_seed, make_paged_inputs, nan_like, variant_kwargs
 from paged_backend import LLM, SamplingParams, kernels
-from paged_backend.kernels import reference, triton_kernels
+from paged_backend.kernels import cpu, reference, triton_kernels
 from paged_backend.kernels.triton_attention import attention_config, auto_num_splits, paged_attention_kernel
 from paged_backend.kernels.triton_launch import is_interpreted
 
@@ -188,7 +188,7 @@ def test_dispatch_honours_the_environment(monkeypatch):
     assert calls == [1, 1]
     _check_against_reference(inputs, out, torch.float32, "dispatch with a window, a cap and sinks", **variant)
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "auto")
-    assert kernels.kernel_backend(inputs.key_cache) == "torch"   # CPU tensors
+    assert kernels.kernel_backend(inputs.key_cache) == ("cpp" if cpu.available() else "torch")   # CPU tensors
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "cuda")
     with pytest.raises(ValueError, match="PAGED_BACKEND_KERNELS"):
         kernels.kernel_backend(inputs.key_cache)
