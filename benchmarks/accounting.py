@@ -14,9 +14,10 @@ Final lengths are known because benchmark requests are forced to their trace len
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
-from paged_backend.sequence import SequenceGroup, SequenceStatus
+from paged_backend.block_manager import HOLE
+from paged_backend.sequence import SequenceGroup
 
 from .reservation import ReservationBlockManager
 
@@ -69,6 +70,20 @@ def final_length(group: SequenceGroup, max_model_len: int) -> int:
     if max_tokens is None:
         return max_model_len
     return min(max_model_len, len(group.prompt_token_ids) + max_tokens)
+
+
+def _slot_use(table: List[int], block_size: int, length: int, final: int) -> Tuple[int, int, int]:
+    """(slots holding tokens, slots reserved for tokens still to come, slots never to be used) of the blocks a
+    sequence holds; released positions of a sliding-window sequence (holes) hold nothing."""
+    tokens = reserved = internal = 0
+    for i, block in enumerate(table):
+        if block == HOLE:
+            continue
+        lo, hi = i * block_size, (i + 1) * block_size
+        used = min(block_size, max(0, length - lo))
+        ahead = min(block_size - used, max(0, min(hi, final) - max(lo, length)))
+        tokens, reserved, internal = tokens + used, reserved + ahead, internal + block_size - used - ahead
+    return tokens, reserved, internal
 
 
 def _admission_need(bm, group: SequenceGroup) -> int:
@@ -125,10 +140,10 @@ class MemoryLedger(StepObserver):
                 if not table:
                     continue
                 seqs += 1
-                capacity, length = len(table) * bs, len(seq)
-                t.token_states += min(length, capacity)
-                t.reserved += max(0, min(capacity, final) - length)
-                t.internal += max(0, capacity - max(final, length))
+                tokens, reserved, internal = _slot_use(table, bs, len(seq), final)
+                t.token_states += tokens
+                t.reserved += reserved
+                t.internal += internal
         free_slots = bm.get_num_free_blocks() * bs
         external = 0
         head: Optional[SequenceGroup] = scheduler.waiting[0] if scheduler.waiting else None

@@ -190,3 +190,5 @@ def _extend(seq: "Sequence", decision: BeamDecision) -> None:
     seq.append_token(decision.token_id, decision.logprob)
     seq.cumulative_logprob = decision.score
     seq.beam_indices.append(decision.parent)
+    if seq.grammar is not None and not seq.grammar.accept(decision.token_id):
+        raise RuntimeError(f"beam token {decision.token_id} is not allowed by the structured-output grammar")

@@ -4,6 +4,10 @@ Blocks are allocated only when a token needs a slot, shared by reference count b
 sequences and between requests with a cached common prefix, copied on the first write into a
 shared block, and moved whole between the device pool and the host swap pool. A block shared on
 the device is shared on the host too: it is swapped once per step, to one host block.
+
+For a model whose every layer attends through a sliding window of W tokens, blocks that lie wholly
+before a sequence's last W tokens are released as it advances: their table positions stay, as holes
+(`HOLE`), so a long generation holds O(W) blocks rather than O(length).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from .block import BlockAllocator, PrefixCache, hash_block
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+HOLE = -1  # a table position whose block was released (outside every layer's window); never read
 
 
 class AllocStatus(enum.Enum):
@@ -25,8 +32,10 @@ class BlockManager:
     """Maps each sequence's logical blocks to physical blocks of the device or host pool."""
 
     def __init__(self, block_size: int, num_blocks: int, num_swap_blocks: int = 0,
-                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False,
+                 sliding_window: Optional[int] = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's keys lie within this many tokens (None: all)
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         self.watermark_blocks = int(watermark * num_blocks)
@@ -36,6 +45,7 @@ class BlockManager:
         self.block_tables: Dict[int, List[int]] = {}       # seq_id -> device blocks
         self.swapped_tables: Dict[int, List[int]] = {}     # seq_id -> host blocks
         self._num_registered: Dict[int, int] = {}          # seq_id -> leading blocks in the prefix cache
+        self._num_released: Dict[int, int] = {}            # seq_id -> leading table positions that are holes
         self.num_cached_prefill_tokens = 0                 # prompt tokens whose prefill the cache skipped
         self.num_copy_on_write = 0
 
@@ -112,7 +122,8 @@ class BlockManager:
 
     # ---- growth ------------------------------------------------------------------------------
     def _written_blocks(self, seq: Sequence, table: List[int]) -> Iterable[int]:
-        """The blocks of `table` that the sequence's uncomputed tokens write into."""
+        """The blocks of `table` that the sequence's uncomputed tokens write into (never holes: those lie
+        before the window of the first uncomputed token)."""
         first = seq.num_computed_tokens // self.block_size
         return table[first:min(len(table), self.blocks_for(len(seq)))]
 
@@ -171,8 +182,24 @@ class BlockManager:
         table = self.block_tables[seq.seq_id]
         hashes = self._block_hashes(seq, num_full)
         for i in range(start, num_full):
-            self.prefix_cache.insert(hashes[i], table[i])
+            if table[i] != HOLE:
+                self.prefix_cache.insert(hashes[i], table[i])
         self._num_registered[seq.seq_id] = num_full
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """After a step: release the blocks no layer can read any more, those wholly before the window of
+        the sequence's next token (a no-op unless every layer has a window)."""
+        if self.sliding_window is None or seq.seq_id not in self.block_tables:
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        limit = max(0, first_visible) // self.block_size
+        table = self.block_tables[seq.seq_id]
+        start = self._num_released.get(seq.seq_id, 0)
+        for i in range(start, min(limit, len(table))):
+            if table[i] != HOLE:
+                self.device.free(table[i])
+                table[i] = HOLE
+        self._num_released[seq.seq_id] = max(start, min(limit, len(table)))
 
     # ---- sharing -----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence, num_tokens: Optional[int] = None) -> None:
@@ -182,12 +209,16 @@ class BlockManager:
         if num_tokens is not None:
             table = table[:self.blocks_for(num_tokens)]
         for block in table:
-            self.device.incr(block)
+            if block != HOLE:
+                self.device.incr(block)
         self.block_tables[child.seq_id] = list(table)
         registered = self._num_registered.get(parent.seq_id, 0)
+        released = self._num_released.get(parent.seq_id, 0)
         if num_tokens is not None:
             registered = min(registered, num_tokens // self.block_size)
+            released = min(released, len(table))
         self._num_registered[child.seq_id] = registered
+        self._num_released[child.seq_id] = released
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks (device or host); a no-op for a sequence without blocks.
@@ -195,14 +226,17 @@ class BlockManager:
         Tail first: cached blocks park in LRU order, so eviction takes a prefix chain from its end and
         the chain's head, which every later block's hash goes through, stays reachable longest."""
         self._num_registered.pop(seq.seq_id, None)
+        self._num_released.pop(seq.seq_id, None)
         table = self.block_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):
-                self.device.free(block)
+                if block != HOLE:
+                    self.device.free(block)
         table = self.swapped_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):
-                self.host.free(block)
+                if block != HOLE:
+                    self.host.free(block)
 
     def free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
@@ -215,7 +249,7 @@ class BlockManager:
     # step: blocks freed by this step's swap-outs are only reallocated to requests that keep running.
 
     def can_swap_out(self, group: SequenceGroup, mapping: Dict[int, int]) -> bool:
-        blocks = {b for s in group.get_seqs(SequenceStatus.RUNNING) for b in self.block_tables[s.seq_id]}
+        blocks = {b for s in group.get_seqs(SequenceStatus.RUNNING) for b in self.block_tables[s.seq_id]} - {HOLE}
         return len(blocks - mapping.keys()) <= self.get_num_free_swap_blocks()
 
     def swap_out(self, group: SequenceGroup, mapping: Dict[int, int]) -> None:
@@ -233,7 +267,8 @@ class BlockManager:
         in_group: Dict[int, int] = {}
         for table in tables.values():
             for block in table:
-                in_group[block] = in_group.get(block, 0) + 1
+                if block != HOLE:
+                    in_group[block] = in_group.get(block, 0) + 1
         moved = sum(1 for block in in_group if block not in mapping)
         growth = self._append_cost(seqs, tables, lambda b: in_group[b] + (
             self.device.ref_counts[mapping[b]] if b in mapping else 0))
@@ -253,6 +288,9 @@ class BlockManager:
         for seq in seqs:
             new_table = []
             for block in src_tables.pop(seq.seq_id):
+                if block == HOLE:
+                    new_table.append(HOLE)
+                    continue
                 if block in mapping:
                     dst.incr(mapping[block])
                 else:
@@ -271,9 +309,15 @@ class BlockManager:
             if not table:
                 continue
             for i, block in enumerate(table):
+                if block == HOLE:
+                    continue
                 fill = min(bs, max(0, len(seq) - i * bs))
                 if fill > filled.get(block, 0):
                     filled[block] = fill
                 else:
                     filled.setdefault(block, fill)
         return sum(filled.values()), len(filled) * bs
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Device blocks the sequence holds (its table without the holes)."""
+        return sum(1 for block in self.block_tables.get(seq.seq_id, ()) if block != HOLE)

@@ -19,12 +19,14 @@ from .input_builder import prepare_inputs
 from .loader import check_module_dtype
 from .metrics import Counters, EngineStats
 from .model_runner import ModelRunner
-from .model_support import check_model_supported
+from .model_support import check_model_supported, uniform_window
 from .output_builder import OutputBuilder
 from .outputs import RequestOutput
 from .sampler import SampleRequest, SampleResult, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .structured_compiler import compiler_for
+from .structured_matcher import GrammarState, accept_grammar
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .sizing import KVCacheSize, size_kv_cache
 from .step_inputs import Runner
@@ -84,8 +86,9 @@ class LLMEngine:
         cache = self.config.cache
         self.kv_size: KVCacheSize = size_kv_cache(cache, self.geometry, self.dtype, self.device,
                                                   self.config.parallel.tensor_parallel_size)
+        self.sliding_window = uniform_window(self.model)  # every layer windowed: blocks behind it are released
         self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
-                                          cache.watermark, cache.enable_prefix_caching)
+                                          cache.watermark, cache.enable_prefix_caching, self.sliding_window)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.runner = self._make_runner()
         self.sampler = Sampler(self.config.seed)
@@ -165,7 +168,17 @@ class LLMEngine:
         if needed > bm.num_blocks - bm.watermark_blocks:
             raise ValueError(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
                              f"{bm.num_blocks} blocks of {bm.block_size} tokens")
+        self._grammar(params)  # an invalid schema, regex or grammar is this request's ValueError
         return ids
+
+    def _grammar(self, params: SamplingParams) -> Optional[GrammarState]:
+        """A fresh matcher state for the request's structured-output constraint (compiled once, cached)."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this engine has none")
+        compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return GrammarState(compiler.compile(params.structured_outputs))
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -180,6 +193,7 @@ class LLMEngine:
                               arrival_time, self.eos_token_ids)
         if params.seed is not None:
             group.seqs[0].generator = _sample_generator(params.seed, 0)
+        group.seqs[0].grammar = self._grammar(params)
         if params.use_beam_search:
             group.beam_state = BeamSearchState(
                 params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
@@ -306,6 +320,7 @@ class LLMEngine:
                 self.counters.num_prompt_tokens += item.num_tokens
             seq.num_computed_tokens += item.num_tokens
             self.block_manager.mark_computed(seq)
+            self.block_manager.release_out_of_window(seq)
             if item.group.metrics.first_scheduled_time is None:
                 item.group.metrics.first_scheduled_time = now
         rows = {id(item): i for i, item in enumerate(samplers)}
@@ -358,6 +373,7 @@ class LLMEngine:
     def _append(self, group: SequenceGroup, seq: Sequence, result, j: int) -> None:
         params = group.sampling_params
         seq.append_token(result.token_ids[j], result.logprobs[j])
+        accept_grammar(seq)
         if result.top_logprobs is not None:
             seq.output_logprobs.append(result.top_logprobs[j])
         if result.scores is not None:
@@ -376,6 +392,9 @@ class LLMEngine:
     def _check_stop(self, group: SequenceGroup, seq: Sequence, new_text: str) -> None:
         params = group.sampling_params
         token = seq.token_ids[-1]
+        if seq.grammar is not None and seq.grammar.is_terminated:  # the structured output is complete
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
@@ -401,7 +420,7 @@ class LLMEngine:
         requests = [SampleRequest(item.group.sampling_params, item.seq, 1, None,
                                   self._stop_ids(item.group.sampling_params)) for item in items]
         try:
-            log_probs = Sampler.beam_log_probs(logits, requests)
+            log_probs = self.sampler.beam_log_probs(logits, requests)
         except Exception:  # noqa: BLE001 - find the request at fault: one row at a time
             log_probs = None
         touched: Dict[str, SequenceGroup] = {}
@@ -421,7 +440,7 @@ class LLMEngine:
 
     def _beam_row(self, item: ScheduledSeq, row: torch.Tensor, request: SampleRequest) -> Optional[torch.Tensor]:
         try:
-            return Sampler.beam_log_probs(row, [request])[0]
+            return self.sampler.beam_log_probs(row, [request])[0]
         except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
             self._fail_group(item.group, f"beam scoring failed: {type(exc).__name__}: {exc}")
             return None
@@ -467,6 +486,7 @@ class LLMEngine:
         bm, sch = self.block_manager, self.scheduler
         running_seqs = [s for g in sch.running for s in g.unfinished_seqs()]
         filled, slots = bm.token_slot_usage(running_seqs)
+        max_blocks_per_seq = max((bm.num_held_blocks(s) for s in running_seqs), default=0)
         cache = bm.prefix_cache
         return EngineStats(
             num_blocks=bm.num_blocks, num_free_blocks=bm.get_num_free_blocks(), num_swap_blocks=bm.num_swap_blocks,
@@ -480,7 +500,7 @@ class LLMEngine:
             prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_hits=cache.num_hits if cache else 0,
             num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
-            peak_used_blocks=self.counters.peak_used_blocks,
+            peak_used_blocks=self.counters.peak_used_blocks, max_blocks_per_seq=max_blocks_per_seq,
             num_prompt_tokens=self.counters.num_prompt_tokens,
             num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,

@@ -30,7 +30,7 @@ def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, Li
             sample_rows.append(len(tokens) - 1)
     width = max((len(t) for t in tables), default=0)
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    table_tensor = table_tensor.reshape(len(tables), width)
+    table_tensor = table_tensor.reshape(len(tables), width).clamp_(min=0)  # holes (-1): any valid block
     lens = torch.tensor(chunk_lens, dtype=torch.long)
     ends = lens.cumsum(0)
     row_seq = torch.repeat_interleave(torch.arange(len(tables)), lens)            # sequence of each token

@@ -29,6 +29,7 @@ class EngineStats:
     num_cached_prefill_tokens: int  # prompt tokens whose prefill the prefix cache skipped
     num_copy_on_write: int
     peak_used_blocks: int           # most device blocks held at once since the engine started
+    max_blocks_per_seq: int         # most device blocks one running sequence holds now
     num_prompt_tokens: int          # tokens run through the model as prefill
     num_generated_tokens: int
     num_steps: int

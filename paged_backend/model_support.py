@@ -269,6 +269,15 @@ def check_model_supported(model: torch.nn.Module) -> None:
     probe_attention(model)
 
 
+def uniform_window(model: torch.nn.Module) -> Optional[int]:
+    """The largest window when every layer attends through a sliding window (the keys any layer can still
+    read); None when some layer attends to the whole context."""
+    windows = [kind.sliding_window for kind in probe_attention(model)]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 def attention_groups(model: torch.nn.Module) -> List[Tuple[LayerAttention, List[int]]]:
     """Layers grouped by attention kind, in order of first appearance."""
     groups: Dict[LayerAttention, List[int]] = {}

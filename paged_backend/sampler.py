@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .logits_processors import ProcessorRow, apply_logits_processors
+from .structured_matcher import GrammarMasker
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -40,9 +41,11 @@ class SampleResult:
     logits: Optional[torch.Tensor] = None   # raw logits of the row (output_scores)
 
 
-def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest],
+                    masker: Optional[GrammarMasker] = None) -> torch.Tensor:
     """Repetition (HF: over prompt and output), presence and frequency (over output) penalties,
-    min-tokens masking, then the request's own logits processors, in place on float32 rows."""
+    min-tokens masking, the request's own logits processors, then its structured-output grammar mask,
+    in place on float32 rows."""
     for i, req in enumerate(requests):
         p = req.params
         if p.repetition_penalty != 1.0:
@@ -54,14 +57,24 @@ def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest]) -> torc
             ids = torch.tensor(req.seq.output_token_ids, device=logits.device, dtype=torch.long)
             counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        if req.blocked_ids and req.seq.num_output_tokens < p.min_tokens:
+        if req.blocked_ids and req.seq.num_output_tokens < p.min_tokens and not _grammar_complete(req.seq):
             logits[i, [t for t in req.blocked_ids if t < logits.shape[1]]] = NEG_INF
     with_processors = [ProcessorRow(i, r.seq.token_ids[:r.seq.prompt_len], r.seq.output_token_ids,
                                     r.params.logits_processors)
                        for i, r in enumerate(requests) if r.params.logits_processors]
     if with_processors:
         apply_logits_processors(logits, with_processors)
+    constrained = [i for i, r in enumerate(requests) if r.seq.grammar is not None]
+    if constrained:  # last, so that nothing after it can allow a token the grammar forbids
+        if masker is None:
+            masker = GrammarMasker(logits.shape[1])
+        masker.apply(logits, constrained, [requests[i].seq.grammar for i in constrained])
     return logits
+
+
+def _grammar_complete(seq: Sequence) -> bool:
+    """The sequence's grammar may end here, so EOS must stay allowed even before min_tokens."""
+    return seq.grammar is not None and seq.grammar.is_completed
 
 
 def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
@@ -76,9 +89,10 @@ def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.full_like(logits, NEG_INF).scatter_(1, order, sorted_logits)
 
 
-def process_logits(logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
-    """Penalties, temperature and truncation: the scores that sampling draws from."""
-    logits = apply_penalties(logits, requests)
+def process_logits(logits: torch.Tensor, requests: List[SampleRequest],
+                   masker: Optional[GrammarMasker] = None) -> torch.Tensor:
+    """Penalties, processors, grammar masks, temperature and truncation: the scores sampling draws from."""
+    logits = apply_penalties(logits, requests, masker)
     temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
                          device=logits.device, dtype=logits.dtype)
     if bool((temps != 1.0).any()):
@@ -101,11 +115,21 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._masker: Optional[GrammarMasker] = None
+
+    def masker(self, vocab_size: int) -> GrammarMasker:
+        """The grammar masker (its bitmask buffer is kept across steps)."""
+        if self._masker is None or self._masker.vocab_size != vocab_size:
+            self._masker = GrammarMasker(vocab_size)
+        return self._masker
+
+    def _masker_for(self, logits: torch.Tensor, requests: List[SampleRequest]) -> Optional[GrammarMasker]:
+        return self.masker(logits.shape[1]) if any(r.seq.grammar is not None for r in requests) else None
 
     def sample(self, logits: torch.Tensor, requests: List[SampleRequest]) -> List[SampleResult]:
         raw = logits.to(torch.float32)
         keep_raw = any(r.params.output_scores for r in requests)
-        scores = process_logits(raw.clone() if keep_raw else raw, requests)
+        scores = process_logits(raw.clone() if keep_raw else raw, requests, self._masker_for(logits, requests))
         tokens = self._draw(scores, requests)
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
         if greedy:
@@ -168,7 +192,7 @@ class Sampler:
             drawn[i] = torch.searchsorted(cdf[row], u * cdf[row, -1], right=True).clamp_(max=last).tolist()
         return drawn
 
-    @staticmethod
-    def beam_log_probs(logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
+    def beam_log_probs(self, logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
         """HF beam search scores: log-softmax first, then the processors applied to the log-probs."""
-        return apply_penalties(torch.log_softmax(logits.to(torch.float32), dim=-1), requests)
+        return apply_penalties(torch.log_softmax(logits.to(torch.float32), dim=-1), requests,
+                               self._masker_for(logits, requests))

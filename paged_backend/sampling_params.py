@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Union
 
 from .logits_processors import check_logits_processors
+from .structured_outputs import StructuredOutputsParams, structured_outputs_from
 
 _EPS = 1e-6
 
@@ -52,6 +53,10 @@ class SamplingParams:
     # vLLM v0's per-request processors: (output_ids, logits_row) or (prompt_ids, output_ids, logits_row)
     # -> logits_row, applied after the penalties; an exception fails this request only.
     logits_processors: Optional[List[Callable]] = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's names; a dict or JSON string of
+    # StructuredOutputsParams' fields is accepted too); `guided_decoding` is vLLM's older name for it.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None
     stop_strings: List[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +65,7 @@ class SamplingParams:
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logits_processors = check_logits_processors(self.logits_processors)
+        self._check_structured_outputs()
         self._check_counts()
         self._check_sampling()
         self._check_stops()
@@ -106,6 +112,16 @@ class SamplingParams:
             raise ValueError("stop strings need detokenize=True (they are matched on the text)")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    def _check_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or its older name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        self.structured_outputs = structured_outputs_from(self.structured_outputs)
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured_outputs: the output ends where the "
+                             "grammar does")
 
     def _check_beam(self) -> None:
         if not _is_int(self.beam_width) or self.beam_width < 1:

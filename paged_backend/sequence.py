@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from .sampling_params import SamplingParams
@@ -52,6 +52,7 @@ class Sequence:
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []
         self.generator: Any = None  # this sequence's own RNG when the request has a seed (set by the engine)
+        self.grammar: Any = None    # its structured-output matcher state (structured_matcher.GrammarState)
 
     @property
     def output_token_ids(self) -> List[int]:
@@ -90,6 +91,8 @@ class Sequence:
         child.output_scores = list(self.output_scores)
         child.beam_indices = list(self.beam_indices)
         child.block_hashes = list(self.block_hashes)
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
         return child
 
     def __repr__(self) -> str:

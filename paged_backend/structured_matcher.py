@@ -72,6 +72,14 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def accept_grammar(seq) -> None:
+    """Advance a sequence's grammar (if it has one) by its newest token; the sampler masked everything the
+    grammar forbids, so a refusal is a bug and fails the request."""
+    if seq.grammar is not None and not seq.grammar.accept(seq.token_ids[-1]):
+        raise RuntimeError(f"token {seq.token_ids[-1]} was sampled but the structured-output grammar does not "
+                           "allow it")
+
+
 def _bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

@@ -19,7 +19,8 @@ TINY_MODELS = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")
 
 def pytest_addoption(parser):
     parser.addoption("--stress-seeds", type=int, default=3,
-                     help="random workloads the differential stress test runs per dtype (default 3)")
+                     help="random workloads the differential stress test runs per dtype and preemption mode "
+                          "(default 3)")
 _cache = {}
 
 

@@ -4,7 +4,7 @@ Each seed builds requests that mix shared prompt prefixes, greedy decoding, seed
 top-k) and beam search, arriving over several steps, on a cache small enough that requests are preempted both
 by swapping and by recomputation, with prefix caching on and a token budget small enough to chunk prefills.
 Greedy and beam outputs must equal transformers' `generate`; seeded samples must equal the same request run
-alone on a roomy engine. Every request must finish within a bounded number of steps and no block may be held
+alone on a roomy engine. Each workload runs with preemption by swapping, by recomputation, and the default mix. Every request must finish within a bounded number of steps and no block may be held
 at the end. `make test` runs a few seeds; `pytest --stress-seeds=N` runs more.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -78,9 +78,9 @@ def alone_reference(model, tok, request: Request) -> List[List[int]]:
     raise AssertionError("the reference run did not finish")
 
 
-def run_under_pressure(model, tok, requests: List[Request]):
+def run_under_pressure(model, tok, requests: List[Request], mode: Optional[str]):
     engine = LLMEngine(model, tokenizer=tok, block_size=BLOCK, num_blocks=18, num_swap_blocks=8,
-                       enable_prefix_caching=True, max_num_batched_tokens=24)
+                       enable_prefix_caching=True, max_num_batched_tokens=24, preemption_mode=mode)
     pending = sorted(requests, key=lambda r: r.arrival_step)
     bound = 50 + 4 * sum(len(r.prompt) // 8 + r.params.max_tokens * r.params.num_branches for r in requests)
     finals: Dict[str, object] = {}
@@ -97,12 +97,16 @@ def run_under_pressure(model, tok, requests: List[Request]):
     return engine, finals
 
 
-def test_stress_seed(stress_seed, dtype):
+@pytest.mark.parametrize("mode", ["swap", "recompute", None], ids=["swap", "recompute", "mixed"])
+def test_stress_seed(stress_seed, mode, dtype):
+    """mixed: the default policy (recompute one sequence, swap several, recompute when the host is full)."""
     model, tok = get_model("tiny-llama", dtype)
     requests = random_workload(stress_seed)
-    engine, finals = run_under_pressure(model, tok, requests)
+    engine, finals = run_under_pressure(model, tok, requests, mode)
     stats = engine.get_stats()
-    assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0, stats
+    preempted = {"swap": stats.num_swap_preemptions, "recompute": stats.num_recompute_preemptions,
+                 None: stats.num_preemptions}[mode]
+    assert preempted > 0, stats
     assert stats.prefix_cache_hits > 0, stats
     assert_no_leaks(engine)
     for request in requests:
