@@ -1,5 +1,5 @@
-"""Attention and cache kernels with one signature per op: Triton on CUDA tensors, a compiled C++ kernel
-on CPU tensors, PyTorch elsewhere.
+"""Attention, cache and sampling kernels with one signature per op: Triton on CUDA tensors, compiled C++
+kernels on CPU tensors, PyTorch elsewhere.
 
 `PAGED_BACKEND_KERNELS=triton|cpp|torch` forces one implementation (with `TRITON_INTERPRET=1`,
 `triton` runs the Triton kernels on the CPU, slowly; `torch` is the pure-PyTorch reference path).
@@ -14,6 +14,7 @@ import torch
 
 from . import cpu, reference
 from .reference import AttentionPlan, dense_attention, plan_paged_attention
+from .sampling import RowDraws, sample_rows
 
 _BACKENDS = ("auto", "triton", "cpp", "torch")
 Plan = Union[AttentionPlan, cpu.CpuPlan]
@@ -49,7 +50,8 @@ def _impl(tensor: torch.Tensor):
         if not cpu.available():
             from .cpu_build import build_error
 
-            raise RuntimeError(f"PAGED_BACKEND_KERNELS=cpp but the CPU kernel cannot be built: {build_error()}")
+            raise RuntimeError(f"PAGED_BACKEND_KERNELS=cpp but the CPU kernel cannot be built: "
+                               f"{build_error('cpu_attention')}")
         return cpu
     kernels = _triton_kernels()
     if kernels is None:
@@ -103,5 +105,5 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
         (reference if impl is cpu else impl).copy_blocks(key_caches, value_caches, block_mapping)
 
 
-__all__ = ["AttentionPlan", "copy_blocks", "dense_attention", "kernel_backend", "paged_attention",
-           "plan_attention", "plan_paged_attention", "reshape_and_cache"]
+__all__ = ["AttentionPlan", "RowDraws", "copy_blocks", "dense_attention", "kernel_backend", "paged_attention",
+           "plan_attention", "plan_paged_attention", "reshape_and_cache", "sample_rows"]

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .cpu_build import load_library
+from .cpu_build import build_error, load_library
 from .variant import check_attention_variant
 
 CACHE_TYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
@@ -26,7 +26,7 @@ QUERY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def available() -> bool:
     """True when the kernel library is (or can be) built on this machine."""
-    return load_library() is not None
+    return load_library("cpu_attention") is not None
 
 
 @dataclass
@@ -102,9 +102,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context (see
     reference.paged_attention for the semantics), computed by the compiled kernel."""
-    library = load_library()
+    library = load_library("cpu_attention")
     if library is None:
-        raise RuntimeError("the CPU attention kernel is not available (see kernels.cpu_build.build_error())")
+        raise RuntimeError(f"the CPU attention kernel is not available: {build_error('cpu_attention')}")
     _check_inputs(query, key_cache, value_cache, out)
     check_attention_variant(query.shape[1], query.device, sliding_window, softcap, sinks)
     if plan is None:

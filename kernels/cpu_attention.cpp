@@ -19,7 +19,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vector.h"
+
 namespace {
+
+using namespace cpu_kernels;
 
 enum CacheType : int64_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kE4M3 = 4, kE5M2 = 5 };
 
@@ -119,39 +123,7 @@ struct WorkItem {
   int64_t seq, row_begin, row_end;  // query rows [row_begin, row_end) of sequence seq
 };
 
-// Vectors through GCC/Clang vector extensions: one AVX-512 register where the build targets it, else
-// 32 bytes (one AVX register, two NEON registers).
-#if defined(__AVX512F__)
-constexpr int64_t kVectorBytes = 64;
-#else
-constexpr int64_t kVectorBytes = 32;
-#endif
 constexpr int64_t kRowBlock = 4;  // query rows sharing each loaded K/V vector in the prefill micro-kernels
-
-template <typename T>
-struct Vector {
-  typedef T type __attribute__((vector_size(kVectorBytes)));
-  static constexpr int64_t lanes = kVectorBytes / sizeof(T);
-};
-
-template <typename Acc>
-inline typename Vector<Acc>::type load(const Acc* p) {
-  typename Vector<Acc>::type v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <typename Acc>
-inline void store(Acc* p, typename Vector<Acc>::type v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
-template <typename Acc>
-inline Acc horizontal_sum(typename Vector<Acc>::type v) {
-  Acc sum = 0;
-  for (int64_t j = 0; j < Vector<Acc>::lanes; ++j) sum += v[j];
-  return sum;
-}
 
 // Dot product over two vector accumulators, then a scalar tail.
 template <typename Acc>
@@ -188,38 +160,6 @@ inline void accumulate(Acc* acc, const Acc* weights, const Acc* const* rows, int
   for (; d < n; ++d)
     for (int64_t k = 0; k < num_keys; ++k)
       for (int64_t i = 0; i < R; ++i) acc[i * n + d] += weights[i * kKeyTile + k] * rows[k][d];
-}
-
-// exp(x) for x <= 0 in place: float through a vectorised Cephes-style polynomial (about 2 ulp), double
-// through std::exp (float64 is the exact-comparison dtype).
-inline void exp_nonpositive(float* x, int64_t n) {
-  typedef Vector<float>::type V;
-  typedef int32_t IV __attribute__((vector_size(kVectorBytes)));
-  constexpr int64_t L = Vector<float>::lanes;
-  int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    V v = load(x + i);
-    v = v < -87.0f ? V{} - 87.0f : v;
-    const V t = v * 1.44269504088896341f;
-    const V k = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-    const V r = (v - k * 0.693359375f) - k * -2.12194440e-4f;
-    V poly = V{} + 1.9875691500e-4f;
-    poly = poly * r + 1.3981999507e-3f;
-    poly = poly * r + 8.3334519073e-3f;
-    poly = poly * r + 4.1665795894e-2f;
-    poly = poly * r + 1.6666665459e-1f;
-    poly = poly * r + 5.0000001201e-1f;
-    poly = poly * r * r + r + 1.0f;
-    const IV bits = (__builtin_convertvector(k, IV) + 127) << 23;
-    V scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    store(x + i, poly * scale);
-  }
-  for (; i < n; ++i) x[i] = std::exp(x[i]);
-}
-
-inline void exp_nonpositive(double* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
 // Scores of `rows` query rows (row stride d) against the keys of one tile, written to s (stride kKeyTile).
