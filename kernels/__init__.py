@@ -61,10 +61,13 @@ def _impl(tensor: torch.Tensor):
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's new K/V `[num_tokens, num_kv_heads, head_size]` into their slots."""
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
+    """Write the step's new K/V `[num_tokens, num_kv_heads, head_size]` into their slots, as the cache's dtype
+    stores them (kv_quant.py: `value / scale`, saturated for fp8)."""
     impl = _impl(key_cache)
-    (reference if impl is cpu else impl).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    (reference if impl is cpu else impl).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                                           k_scale, v_scale)
 
 
 def plan_attention(key_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -85,11 +88,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, out: Optional[torch.Tensor] = None,
                     plan: Optional[Plan] = None, sliding_window: Optional[int] = None,
-                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention over a paged KV cache for decode and (chunked) prefill queries, GQA included, with an
-    optional sliding window, logit soft-cap and per-head sinks (see variant.py)."""
+    optional sliding window, logit soft-cap and per-head sinks (see variant.py). The cache may hold another
+    float dtype than the query, fp8 included (entries times k_scale / v_scale)."""
     impl = _impl(key_cache)
-    variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if impl is reference or impl is cpu:
         return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                     query_start_loc, scale, out=out, plan=plan, **variant)

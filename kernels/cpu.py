@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from .cpu_build import build_error, load_library
+from .kv_quant import check_scales
 from .variant import check_attention_variant
 
 CACHE_TYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
@@ -107,6 +108,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise RuntimeError(f"the CPU attention kernel is not available: {build_error('cpu_attention')}")
     _check_inputs(query, key_cache, value_cache, out)
     check_attention_variant(query.shape[1], query.device, sliding_window, softcap, sinks)
+    check_scales(k_scale, v_scale)
     if plan is None:
         plan = plan_paged_attention(block_tables, context_lens, query_start_loc, key_cache.shape[1],
                                     key_cache.shape[0], sliding_window)

@@ -39,6 +39,7 @@ class AttentionMetadata:
     block_size: int
     kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]
     layer_of: Dict[int, int]       # id(attention module) -> cache layer
+    kv_scales: Optional[List[Tuple[float, float]]] = None   # per layer (K, V) scales of an fp8 cache
     plans: Dict[Optional[int], Optional[kernels.Plan]] = field(default_factory=dict)   # by sliding window
 
 
@@ -155,11 +156,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if options.sinks is not None and options.sinks.shape[0] != query.shape[1]:
         raise ValueError(f"{describe_module(module)}: s_aux has {options.sinks.shape[0]} sinks for {query.shape[1]} "
                          f"query heads (sinks are not sharded over tensor-parallel ranks)")
-    key_cache, value_cache = metadata.kv_caches[_layer_index(module, metadata)]
+    layer = _layer_index(module, metadata)
+    key_cache, value_cache = metadata.kv_caches[layer]
+    k_scale, v_scale = metadata.kv_scales[layer] if metadata.kv_scales is not None else (1.0, 1.0)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    kernels.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+    kernels.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     window = options.sliding_window
@@ -169,7 +172,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     plan = metadata.plans[window]
     out = kernels.paged_attention(q.contiguous(), key_cache, value_cache, metadata.block_tables,
                                   metadata.context_lens, metadata.query_start_loc, scaling, plan=plan,
-                                  sliding_window=window, softcap=options.softcap, sinks=options.sinks)
+                                  sliding_window=window, softcap=options.softcap, sinks=options.sinks,
+                                  k_scale=k_scale, v_scale=v_scale)
     return out.unsqueeze(0), None
 
 
