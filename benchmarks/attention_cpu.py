@@ -3,11 +3,13 @@ the PyTorch path (`torch`, gathers each sequence's blocks padded to the longest 
 
 `python -m paged_backend.benchmarks.attention_cpu` runs smollm2 steps (30 layers, 9 query / 3 KV heads,
 head size 64) over a KV cache of random contents: decode batches with contexts drawn from 100-600
-tokens and mixed steps (decode rows plus prefill chunks). Each repetition runs the same step once per
-backend, alternating which goes first; it reports the step time, the time inside attention (the plan
-and `paged_attention` calls of all layers) and its share of the step, and the per-repetition ratio
-torch / cpp as median and range. `--layer` adds a one-layer decode comparison that includes
-`torch.nn.attention.flex_attention` over the paged cache (compiled by inductor; `--flex`).
+tokens and mixed steps (decode rows plus prefill chunks). Systems: `main` (the PyTorch path as it was
+before issue 17: advanced-indexing gather), `torch` (the PyTorch path now: `index_select` gather),
+`cpp` (the compiled kernel) and, with `--kv-cache-dtypes`, `cpp` over compact caches. Each repetition
+runs the same step once per system, in an order that alternates; it reports the step time, the time
+inside attention (the plan and `paged_attention` calls of all layers) and its share of the step, and
+per-repetition ratios against `cpp` as median and range. `--layer` adds a one-layer decode comparison;
+`--flex` includes `torch.nn.attention.flex_attention` over the paged cache in it (compiled by inductor).
 """
 
 from __future__ import annotations
@@ -25,11 +27,40 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from paged_backend import kernels
-from paged_backend.cache_engine import CacheEngine, kv_geometry
+from paged_backend.cache_engine import CacheEngine, kv_cache_torch_dtype, kv_geometry
+from paged_backend.kernels import reference
 from paged_backend.model_runner import ModelRunner
 from paged_backend.step_inputs import StepInputs
 
 BACKENDS = ("cpp", "torch")
+
+
+@dataclass
+class System:
+    """One compared configuration: a kernel backend over a runner's cache (of some dtype)."""
+
+    name: str
+    backend: str
+    runner: ModelRunner
+    main_gather: bool = False   # the PyTorch path with the advanced-indexing gather it had before issue 17
+
+
+def _main_gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """reference._gather as it was on main before issue 17 (`cache[blocks]`), for the `main` system."""
+    _, block_size, num_kv_heads, head_size = cache.shape
+    return cache[blocks].view(blocks.shape[0], -1, num_kv_heads, head_size).transpose(1, 2).to(dtype)
+
+
+@contextmanager
+def system_active(system: System) -> Iterator[None]:
+    saved = reference._gather
+    if system.main_gather:
+        reference._gather = _main_gather
+    try:
+        with backend(system.backend):
+            yield
+    finally:
+        reference._gather = saved
 
 
 @dataclass
@@ -122,28 +153,28 @@ def summary(values: Sequence[float]) -> Dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure_steps(runner: ModelRunner, shape: StepShape, inputs: StepInputs, repetitions: int) -> dict:
-    """Interleaved repetitions of one step under each backend: step and attention seconds, ratios."""
-    samples: Dict[str, Dict[str, List[float]]] = {b: {"step": [], "attention": []} for b in BACKENDS}
-    for name in BACKENDS:   # warm-up (the first cpp call builds the kernel library)
-        with backend(name):
-            runner.execute(inputs)
+def measure_steps(systems: List[System], shape: StepShape, inputs: StepInputs, repetitions: int) -> dict:
+    """Interleaved repetitions of one step under each system: step and attention seconds, ratios to cpp."""
+    samples: Dict[str, Dict[str, List[float]]] = {s.name: {"step": [], "attention": []} for s in systems}
+    for system in systems:   # warm-up (the first cpp call builds the kernel library)
+        with system_active(system):
+            system.runner.execute(inputs)
     for rep in range(repetitions):
-        for name in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
-            with backend(name), AttentionClock().installed() as clock:
+        for system in (systems if rep % 2 == 0 else systems[::-1]):
+            with system_active(system), AttentionClock().installed() as clock:
                 start = time.perf_counter()
-                runner.execute(inputs)
-                samples[name]["step"].append(time.perf_counter() - start)
-            samples[name]["attention"].append(clock.seconds)
-    result = {"shape": shape.name, "tokens": inputs.num_tokens}
-    for name in BACKENDS:
-        steps, attn = samples[name]["step"], samples[name]["attention"]
-        result[name] = {"step_ms": summary([s * 1e3 for s in steps]), "attention_ms": summary([a * 1e3 for a in attn]),
-                        "attention_share": summary([a / s for a, s in zip(attn, steps)])}
-    result["step_ratio_torch_over_cpp"] = summary([t / c for t, c in zip(samples["torch"]["step"],
-                                                                         samples["cpp"]["step"])])
-    result["attention_ratio_torch_over_cpp"] = summary([t / c for t, c in zip(samples["torch"]["attention"],
-                                                                              samples["cpp"]["attention"])])
+                system.runner.execute(inputs)
+                samples[system.name]["step"].append(time.perf_counter() - start)
+            samples[system.name]["attention"].append(clock.seconds)
+    result = {"shape": shape.name, "tokens": inputs.num_tokens, "systems": {}}
+    base = samples["cpp"]
+    for name, got in samples.items():
+        steps, attn = got["step"], got["attention"]
+        result["systems"][name] = {
+            "step_ms": summary([s * 1e3 for s in steps]), "attention_ms": summary([a * 1e3 for a in attn]),
+            "attention_share": summary([a / s for a, s in zip(attn, steps)]),
+            "step_ratio_over_cpp": summary([s / c for s, c in zip(steps, base["step"])]),
+            "attention_ratio_over_cpp": summary([a / c for a, c in zip(attn, base["attention"])])}
     return result
 
 
@@ -238,14 +269,14 @@ def _range(s: Dict[str, float], fmt: str = "{:.1f}") -> str:
 
 
 def format_steps(results: List[dict]) -> str:
-    lines = ["| step | tokens | torch step ms | cpp step ms | step ratio torch/cpp | torch attention share | "
-             "cpp attention share | attention ratio torch/cpp |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| step | system | step ms | attention ms | attention share | step / cpp | attention / cpp |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['shape']} | {r['tokens']} | {_range(r['torch']['step_ms'])} | {_range(r['cpp']['step_ms'])} "
-                     f"| {_range(r['step_ratio_torch_over_cpp'], '{:.2f}')} "
-                     f"| {_range(r['torch']['attention_share'], '{:.0%}')} "
-                     f"| {_range(r['cpp']['attention_share'], '{:.0%}')} "
-                     f"| {_range(r['attention_ratio_torch_over_cpp'], '{:.1f}')} |")
+        for name, m in r["systems"].items():
+            lines.append(f"| {r['shape']} ({r['tokens']} tokens) | {name} | {_range(m['step_ms'])} | "
+                         f"{_range(m['attention_ms'])} | {_range(m['attention_share'], '{:.0%}')} | "
+                         f"{_range(m['step_ratio_over_cpp'], '{:.2f}')} | "
+                         f"{_range(m['attention_ratio_over_cpp'], '{:.2f}')} |")
     return "\n".join(lines)
 
 
@@ -259,6 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layer", action="store_true", help="also the one-layer decode comparison")
     parser.add_argument("--flex", action="store_true", help="include flex_attention in the one-layer comparison")
+    parser.add_argument("--kv-cache-dtypes", default="", help="also cpp over these compact caches, e.g. bfloat16,fp8")
+    parser.add_argument("--no-main", action="store_true", help="leave out the pre-issue-17 PyTorch path")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -268,15 +301,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model, _ = load_model(args.model, dtype=torch.float32)
     shapes = workloads(args.seed, [int(x) for x in args.batches.split(",")])
     num_blocks = max(sum(-(-c // args.block_size) for c in s.context_lens) for s in shapes) + 16
-    cache = CacheEngine(kv_geometry(model.config), args.block_size, num_blocks, 0, torch.float32, torch.device("cpu"))
-    cache.kv.normal_(generator=torch.Generator().manual_seed(args.seed))
-    runner = ModelRunner(model, cache)
+
+    def runner_for(kv: str) -> ModelRunner:
+        dtype = kv_cache_torch_dtype(kv, torch.float32)
+        cache = CacheEngine(kv_geometry(model.config), args.block_size, num_blocks, 0, dtype, torch.device("cpu"))
+        values = torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(args.seed))
+        cache.kv.copy_(values.to(dtype))
+        return ModelRunner(model, cache)
+
+    full = runner_for("auto")
+    systems = [System("cpp", "cpp", full), System("torch", "torch", full)]
+    if not args.no_main:
+        systems.append(System("main", "torch", full, main_gather=True))
+    systems += [System(f"cpp {kv} cache", "cpp", runner_for(kv)) for kv in args.kv_cache_dtypes.split(",") if kv]
     report = {"threads": torch.get_num_threads(), "model": args.model, "steps": [], "layer": []}
     for i, shape in enumerate(shapes):
-        result = measure_steps(runner, shape, step_inputs(shape, args.block_size, num_blocks, args.seed + i),
+        result = measure_steps(systems, shape, step_inputs(shape, args.block_size, num_blocks, args.seed + i),
                                args.repetitions)
         report["steps"].append(result)
-        print(format_steps([result]).splitlines()[-1], flush=True)
+        print("\n".join(format_steps([result]).splitlines()[2:]), flush=True)
     print(format_steps(report["steps"]))
     if args.layer or args.flex:
         for batch in (16, 64):

@@ -74,6 +74,51 @@ const Fp8Tables& fp8_tables() {
   return tables;
 }
 
+// One vector of 16-bit or fp8 cache entries as floats, by bit arithmetic (no tables, no scalar loop). NaN and
+// infinities of fp8 never reach attention (written entries are saturated; unwritten slots are never read).
+template <int64_t Type>
+inline FloatVector decode_vector(const void* entries) {
+  constexpr int64_t L = Vector<float>::lanes;
+  IntVector x;
+  if constexpr (Type == kF16 || Type == kBF16) {
+    typedef uint16_t Halves __attribute__((vector_size(2 * L)));
+    Halves raw;
+    std::memcpy(&raw, entries, sizeof raw);
+    x = __builtin_convertvector(raw, IntVector);
+  } else {
+    typedef uint8_t Bytes __attribute__((vector_size(L)));
+    Bytes raw;
+    std::memcpy(&raw, entries, sizeof raw);
+    x = __builtin_convertvector(raw, IntVector);
+  }
+  IntVector bits;
+  if constexpr (Type == kBF16) {
+    bits = x << 16;
+  } else if constexpr (Type == kF16) {   // rebias by multiplying (exact, subnormals included); then inf/NaN
+    const IntVector magnitude = x & 0x7fff;
+    IntVector shifted = magnitude << 13;
+    FloatVector value;
+    std::memcpy(&value, &shifted, sizeof value);
+    value *= 0x1.0p112f;
+    std::memcpy(&bits, &value, sizeof bits);
+    bits = magnitude >= 0x7c00 ? (shifted | 0x7f800000) : bits;
+    bits |= (x & 0x8000) << 16;
+  } else {
+    const IntVector magnitude = x & 0x7f;
+    constexpr int mantissa = Type == kE4M3 ? 3 : 2, bias = Type == kE4M3 ? 120 : 112;
+    constexpr int smallest_normal = 1 << mantissa;
+    constexpr float subnormal_step = Type == kE4M3 ? 0x1p-9f : 0x1p-16f;
+    const IntVector normal = (((magnitude >> mantissa) + bias) << 23) | ((magnitude & (smallest_normal - 1)) << (23 - mantissa));
+    const FloatVector small = __builtin_convertvector(magnitude, FloatVector) * subnormal_step;
+    IntVector small_bits;
+    std::memcpy(&small_bits, &small, sizeof small_bits);
+    bits = (magnitude >= smallest_normal ? normal : small_bits) | ((x & 0x80) << 24);
+  }
+  FloatVector result;
+  std::memcpy(&result, &bits, sizeof result);
+  return result;
+}
+
 // One cache row as Acc: a pointer into the cache when it already holds Acc, else converted into `buffer`.
 template <typename Acc, int64_t Type>
 inline const Acc* cache_row(const void* base, int64_t offset, int64_t head_size, Acc* buffer) {
@@ -85,16 +130,23 @@ inline const Acc* cache_row(const void* base, int64_t offset, int64_t head_size,
     const double* row = static_cast<const double*>(base) + offset;
     if constexpr (std::is_same_v<Acc, double>) return row;
     for (int64_t d = 0; d < head_size; ++d) buffer[d] = Acc(row[d]);
-  } else if constexpr (Type == kF16) {
-    const uint16_t* row = static_cast<const uint16_t*>(base) + offset;
-    for (int64_t d = 0; d < head_size; ++d) buffer[d] = Acc(half_to_float(row[d]));
-  } else if constexpr (Type == kBF16) {
-    const uint16_t* row = static_cast<const uint16_t*>(base) + offset;
-    for (int64_t d = 0; d < head_size; ++d) buffer[d] = Acc(bfloat16_to_float(row[d]));
   } else {
-    const uint8_t* row = static_cast<const uint8_t*>(base) + offset;
-    const float* table = Type == kE4M3 ? fp8_tables().e4m3 : fp8_tables().e5m2;
-    for (int64_t d = 0; d < head_size; ++d) buffer[d] = Acc(table[row[d]]);
+    constexpr int64_t entry_bytes = (Type == kF16 || Type == kBF16) ? 2 : 1;
+    const uint8_t* row = static_cast<const uint8_t*>(base) + offset * entry_bytes;
+    int64_t d = 0;
+    if constexpr (std::is_same_v<Acc, float>) {
+      constexpr int64_t L = Vector<float>::lanes;
+      for (; d + L <= head_size; d += L) store(buffer + d, decode_vector<Type>(row + d * entry_bytes));
+    }
+    for (; d < head_size; ++d) {
+      if constexpr (Type == kF16) {
+        buffer[d] = Acc(half_to_float(reinterpret_cast<const uint16_t*>(row)[d]));
+      } else if constexpr (Type == kBF16) {
+        buffer[d] = Acc(bfloat16_to_float(reinterpret_cast<const uint16_t*>(row)[d]));
+      } else {
+        buffer[d] = Acc((Type == kE4M3 ? fp8_tables().e4m3 : fp8_tables().e5m2)[row[d]]);
+      }
+    }
   }
   return buffer;
 }

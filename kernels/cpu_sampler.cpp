@@ -24,8 +24,6 @@
 namespace {
 
 using namespace cpu_kernels;
-typedef Vector<float>::type FloatVector;
-typedef int32_t IntVector __attribute__((vector_size(kVectorBytes)));
 
 constexpr int64_t kChunk = 256;        // tokens per exp chunk (and per skipped chunk when drawing)
 constexpr int64_t kHeapLimit = 1024;   // top-k up to this uses a heap, larger k nth_element

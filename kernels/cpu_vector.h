@@ -22,6 +22,9 @@ struct Vector {
   static constexpr int64_t lanes = kVectorBytes / sizeof(T);
 };
 
+typedef Vector<float>::type FloatVector;
+typedef int32_t IntVector __attribute__((vector_size(kVectorBytes)));   // also what float comparisons give
+
 template <typename Acc>
 inline typename Vector<Acc>::type load(const Acc* p) {
   typename Vector<Acc>::type v;

@@ -76,16 +76,24 @@ def test_cpu_kernel_variants_equal_dense(case, variant, dtype):
                                msg=lambda m: f"seed {BASE_SEED}: {m}")
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float64], ids=["fp16", "bf16", "fp64"])
-def test_cpu_kernel_reads_a_cache_of_another_dtype(cache_dtype):
-    """An fp32 query over a cache of another dtype: the kernel converts each row as it reads it."""
-    inputs = make_paged_inputs(case_seed("cpu-mixed", str(cache_dtype)), torch.float32, 8, 2, 64, 16,
-                               [1, 40, 32, 19], [1, 7, 1, 19])
-    query, kc, vc, *rest = inputs.args()
-    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
-    out = cpu.paged_attention(query, kc, vc, *rest)
-    want = reference.dense_attention(query.double(), kc.double(), vc.double(), *rest)
-    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
+                                         torch.float8_e5m2], ids=["fp16", "bf16", "fp64", "e4m3", "e5m2"])
+def test_cpu_kernel_reads_a_cache_of_another_dtype(cache_dtype, query_dtype):
+    """A query over a cache of another dtype (fp8 entries times their scales): the kernel converts each row as it
+    reads it (vectorised for head sizes that fill vectors, a scalar tail otherwise: head 20)."""
+    from paged_backend.kernels.kv_quant import quantize
+
+    for head_size in (64, 20):
+        inputs = make_paged_inputs(case_seed("cpu-mixed", str(cache_dtype), head_size), torch.float32, 8, 2,
+                                   head_size, 16, [1, 40, 32, 19], [1, 7, 1, 19])
+        query, kc, vc, *rest = inputs.args()
+        k_scale, v_scale = (0.5, 3.0) if cache_dtype.itemsize == 1 else (1.0, 1.0)
+        kc, vc = quantize(kc, cache_dtype, k_scale), quantize(vc, cache_dtype, v_scale)
+        out = cpu.paged_attention(query.to(query_dtype), kc, vc, *rest, k_scale=k_scale, v_scale=v_scale)
+        want = reference.dense_attention(query.double(), kc, vc, *rest, k_scale=k_scale, v_scale=v_scale)
+        tol = 2e-5 if query_dtype == torch.float32 else 1e-10
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol, msg=lambda m: f"seed {BASE_SEED}: {m}")
 
 
 def test_cpu_kernel_is_deterministic_across_thread_counts():
