@@ -194,12 +194,29 @@ inline Acc dot(const Acc* a, const Acc* b, int64_t n) {
 }
 
 // acc[i][0:n] += sum_k weights[i][k] * rows[k][0:n] for R rows i (row strides n and kKeyTile) over a
-// tile of keys: each loaded value vector serves R rows, the accumulators stay in registers.
+// tile of keys: each loaded value vector serves R rows, and J vectors of each row are accumulated at once so
+// that R * J independent chains of multiply-adds hide their latency; the accumulators stay in registers.
 template <typename Acc, int64_t R>
 inline void accumulate(Acc* acc, const Acc* weights, const Acc* const* rows, int64_t num_keys, int64_t n) {
   constexpr int64_t L = Vector<Acc>::lanes;
+  constexpr int64_t J = R >= 3 ? 2 : 4;
   typedef typename Vector<Acc>::type V;
   int64_t d = 0;
+  for (; d + J * L <= n; d += J * L) {
+    V c[R][J];
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < J; ++j) c[i][j] = load(acc + i * n + d + j * L);
+    for (int64_t k = 0; k < num_keys; ++k) {
+      V v[J];
+      for (int64_t j = 0; j < J; ++j) v[j] = load(rows[k] + d + j * L);
+      for (int64_t i = 0; i < R; ++i) {
+        const Acc w = weights[i * kKeyTile + k];
+        for (int64_t j = 0; j < J; ++j) c[i][j] += w * v[j];
+      }
+    }
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < J; ++j) store(acc + i * n + d + j * L, c[i][j]);
+  }
   for (; d + L <= n; d += L) {
     V c[R];
     for (int64_t i = 0; i < R; ++i) c[i] = load(acc + i * n + d);
@@ -212,6 +229,21 @@ inline void accumulate(Acc* acc, const Acc* weights, const Acc* const* rows, int
   for (; d < n; ++d)
     for (int64_t k = 0; k < num_keys; ++k)
       for (int64_t i = 0; i < R; ++i) acc[i * n + d] += weights[i * kKeyTile + k] * rows[k][d];
+}
+
+// accumulate over `count` rows, in blocks of kRowBlock and one call for the rest (1-3 rows: a decode group).
+template <typename Acc>
+inline void accumulate_rows(Acc* acc, const Acc* weights, const Acc* const* rows, int64_t num_keys, int64_t n,
+                            int64_t count) {
+  int64_t i = 0;
+  for (; i + kRowBlock <= count; i += kRowBlock)
+    accumulate<Acc, kRowBlock>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n);
+  switch (count - i) {
+    case 3: accumulate<Acc, 3>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n); break;
+    case 2: accumulate<Acc, 2>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n); break;
+    case 1: accumulate<Acc, 1>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n); break;
+    default: break;
+  }
 }
 
 // Scores of `rows` query rows (row stride d) against the keys of one tile, written to s (stride kKeyTile).
@@ -355,16 +387,9 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
       }
     }
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      const Acc* const* values = w.value_rows.data() + kh * kKeyTile;
-      int64_t i = 0;
-      for (; i + kRowBlock <= kv_rows; i += kRowBlock) {
-        const int64_t r = kh * kv_rows + i;
-        accumulate<Acc, kRowBlock>(w.acc.data() + r * d_size, w.scores.data() + r * kKeyTile, values, n, d_size);
-      }
-      for (; i < kv_rows; ++i) {
-        const int64_t r = kh * kv_rows + i;
-        accumulate<Acc, 1>(w.acc.data() + r * d_size, w.scores.data() + r * kKeyTile, values, n, d_size);
-      }
+      const int64_t r = kh * kv_rows;
+      accumulate_rows(w.acc.data() + r * d_size, w.scores.data() + r * kKeyTile, w.value_rows.data() + kh * kKeyTile,
+                      n, d_size, kv_rows);
     }
   }
   for (int64_t kh = 0; kh < kv_heads; ++kh)
