@@ -25,8 +25,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -v -ra --durations=25 $(PYTEST_ARGS) tests integration_tests
 
+# The documented benchmark records (docs/benchmarks.md): every benchmark at its documented size at the checked-out
+# commit (a dirty tree is refused; BENCH_ARGS=--allow-dirty records it marked dirty), then the page is regenerated.
 bench: $(STAMP)
-	$(VENV)/bin/paged-backend bench all
+	$(VENV)/bin/paged-backend bench all --documented $(BENCH_ARGS)
 
 # NVIDIA Triton Inference Server (from the nvidia-pytriton wheel) on a generated repository for the default model.
 triton: $(STAMP)

@@ -1,18 +1,26 @@
-"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, or all),
-print its table, write NAME.json and NAME.png under RESULTS/NAME/. `--quick` runs a small size."""
+"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, or all) at a
+named size, print its table, write NAME.json and NAME.png under RESULTS/NAME/. `--documented` runs each at
+the size docs/benchmarks.md documents, records it under docs/img/ and regenerates the doc; `bench docs`
+regenerates docs/benchmarks.md and its plots from the recorded JSON alone."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
-import time
+import shlex
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .provenance import REPO_ROOT, dirty_refusal, git_state
 
 BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead")
-_CONFIGS = {"waste": "WasteConfig", "throughput": "ThroughputConfig", "sharing": "SharingConfig",
-            "serving": "ServingConfig", "overhead": "OverheadConfig"}
+DOCS_DIR = REPO_ROOT / "docs"
+
+
+def record_paths(name: str, docs_dir: Optional[Path] = None) -> Tuple[Path, Path]:
+    """Where a documented record of `name` lives: its JSON beside its plot under docs/img/."""
+    img = (docs_dir or DOCS_DIR) / "img"
+    return img / f"bench-{name}.json", img / f"bench-{name}.png"
 
 
 def _ints(text: str) -> Tuple[int, ...]:
@@ -32,11 +40,16 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--model": ("model", str, "model preset or HF directory (defaults: smollm2; waste: tiny-llama)"),
     "--workload": ("workload", str, "sharegpt or alpaca (synthetic)"),
     "--num-requests": ("num_requests", int, "requests in the trace (waste, throughput, sharing)"),
+    "--max-prompt-len": ("max_prompt_len", int, "throughput: cut ShareGPT prompts to this many tokens"),
+    "--max-output-len": ("max_output_len", int, "throughput: cap ShareGPT output lengths"),
     "--kv-slots": ("kv_slots", int, "KV cache budget in token slots, the same for every system"),
     "--block-size": ("block_size", int, "tokens per KV block of the paged engine"),
     "--seed": ("seed", int, "seed of the trace sampling and arrivals"),
-    "--threads": ("threads", int, "torch threads (default: 1 if the machine is busy, else all cores)"),
-    "--systems": ("systems", _names, "waste/throughput: comma list of paged,oracle,pow2,max[,hf-static,hf-continuous]"),
+    "--threads": ("threads", int, "torch threads (default: the size's; none: 1 if the machine is busy, else all)"),
+    "--repetitions": ("repetitions", int, "throughput/serving: interleaved rounds (median and range reported)"),
+    "--systems": ("systems", _names, "throughput/serving: comma list of systems, e.g. paged,oracle,hf-static"),
+    "--kv-cache-dtypes": ("kv_cache_dtypes", _names, "throughput: compact-KV rows, e.g. bfloat16,fp8_e4m3 "
+                                                     "(own rows, same bytes)"),
     "--allocators": ("allocators", _names, "waste: contiguous allocators for the baselines: first-fit,buddy"),
     "--allocator": ("allocator", str, "throughput: contiguous allocator of the baselines"),
     "--forward": ("forward", bool, "waste: run real model forwards instead of the dry runner"),
@@ -44,11 +57,11 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--beam-widths": ("beam_widths", _ints, "sharing: beam widths, e.g. 2,4,6"),
     "--prefix-shots": ("prefix_shots", _ints, "sharing: few-shot prefix sizes, e.g. 1,5"),
     "--prefix-requests": ("prefix_requests", int, "sharing: requests sharing the prefix"),
-    "--rates": ("rates", _floats, "serving: request rates in req/s, e.g. 0.5,1,2"),
-    "--duration": ("duration_s", float, "serving: seconds of arrivals per rate"),
-    "--max-requests": ("max_requests", int, "serving: most requests per rate"),
-    "--baselines": ("baselines", _names, "serving: reservation baselines to serve too, e.g. oracle,pow2"),
-    "--max-model-len": ("max_model_len", int, "serving: context limit of the servers"),
+    "--concurrencies": ("concurrencies", _ints, "serving: concurrent streams, e.g. 1,2,4,8,16,32"),
+    "--prompt-tokens": ("prompt_tokens", int, "serving: synthetic prompt length in tokens"),
+    "--output-tokens": ("output_tokens", int, "serving: forced output length in tokens"),
+    "--min-requests": ("min_requests", int, "serving: requests per concurrency at least (else 2 per stream)"),
+    "--max-model-len": ("max_model_len", int, "throughput/serving: context limit of the engines and servers"),
     "--batch-sizes": ("batch_sizes", _ints, "overhead: running sequences, e.g. 1,64,256"),
     "--decode-steps": ("decode_steps", int, "overhead: decode steps averaged per batch size"),
 }
@@ -56,9 +69,16 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="reproduce the paper's measurements (waste, throughput, sharing, serving, "
-                                         "overhead, all)", description=__doc__)
-    p.add_argument("benchmark", choices=BENCHMARKS + ("all",))
-    p.add_argument("--quick", action="store_true", help="a small size that finishes in seconds (smoke test)")
+                                         "overhead, all; docs regenerates docs/benchmarks.md)", description=__doc__)
+    p.add_argument("benchmark", choices=BENCHMARKS + ("all", "docs"))
+    p.add_argument("--size", default=None, help="a named size: quick, full (waste/sharing/overhead), anchor "
+                                                "(throughput/serving); default: the documented one")
+    p.add_argument("--quick", action="store_true", help="same as --size quick (a smoke test, seconds)")
+    p.add_argument("--documented", action="store_true",
+                   help="run the documented configuration, write docs/img/bench-NAME.{json,png} and regenerate "
+                        "docs/benchmarks.md (what `make bench` does); refuses a dirty tree and any option")
+    p.add_argument("--allow-dirty", action="store_true", help="with --documented: record from a tree with "
+                                                              "uncommitted changes (marked dirty in the JSON)")
     p.add_argument("--results-dir", default="results", help="where NAME/NAME.json and NAME.png go")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     for option, (dest, kind, text) in OPTIONS.items():
@@ -70,36 +90,88 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     return p
 
 
-def make_config(name: str, args: argparse.Namespace):
-    """The benchmark's config: full-size defaults, the quick size with --quick, then explicit options."""
-    module = importlib.import_module(f"{__package__}.{name}")
-    config_cls = getattr(module, _CONFIGS[name])
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    values = dict(module.QUICK) if args.quick else {}
-    for dest, _, _ in OPTIONS.values():
+def spec_of(name: str):
+    return importlib.import_module(f"{__package__}.{name}").SPEC
+
+
+def _overrides(spec, args: argparse.Namespace) -> dict:
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
+    return {dest: getattr(args, dest) for dest, _, _ in OPTIONS.values()
+            if getattr(args, dest, None) is not None and dest in fields}
+
+
+def _size(spec, args: argparse.Namespace) -> str:
+    if args.quick and args.size not in (None, "quick"):
+        raise ValueError("--quick is --size quick; give one of them")
+    return "quick" if args.quick else (args.size or spec.documented_size)
+
+
+def _option_text(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def command_line(args: argparse.Namespace, name: str, size: str) -> str:
+    """The command that reruns this configuration of benchmark `name`."""
+    if args.documented:
+        return f"paged-backend bench {name} --documented" + (" --allow-dirty" if args.allow_dirty else "")
+    parts = ["paged-backend", "bench", name, "--size", size]
+    for option, (dest, kind, _) in OPTIONS.items():
         value = getattr(args, dest, None)
-        if value is not None and dest in fields:
-            values[dest] = value
-    return module, config_cls(**values)
+        if value is not None:
+            parts += [option] if kind is bool else [option, _option_text(value)]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def run_one(name: str, args: argparse.Namespace) -> List[str]:
     """Run one benchmark; returns its invariant violations."""
-    module, config = make_config(name, args)
+    from .report import run_and_report
+
+    spec = spec_of(name)
+    size = spec.documented_size if args.documented else _size(spec, args)
+    config = spec.config(size, **({} if args.documented else _overrides(spec, args)))
     out_dir = Path(args.results_dir) / name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    result = module.main(config, out_dir, plot=not args.no_plot)
-    print(f"[{name}] {time.perf_counter() - start:.0f} s; results in {out_dir}/")
+    if args.documented:
+        json_path, plot_path = record_paths(name)
+    else:
+        json_path, plot_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    extra = {"size": size, "documented": bool(args.documented), "command": command_line(args, name, size)}
+    result = run_and_report(name, lambda: spec.execute(config, out_dir), spec.check, spec.table,
+                            None if args.no_plot else spec.plot_function(), json_path, plot_path, extra)
+    print(f"[{name}] {result['elapsed_s']:.0f} s; results in {json_path.parent}/")
     return [f"{name}: {p}" for p in result.get("problems", [])]
 
 
+def _refuse_documented(args: argparse.Namespace) -> None:
+    explicit = [option for option, (dest, _, _) in OPTIONS.items() if getattr(args, dest, None) is not None]
+    if explicit or args.quick or args.size:
+        raise ValueError(f"--documented runs the documented configuration exactly; drop "
+                         f"{', '.join(explicit + (['--quick'] if args.quick else []) + (['--size'] if args.size else []))}")
+    refusal = dirty_refusal(git_state())
+    if refusal and not (args.allow_dirty and git_state().commit):
+        raise ValueError(f"refusing to write a documented record: {refusal}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    from .docgen import regenerate
+
+    if args.benchmark == "docs":
+        problems = regenerate(DOCS_DIR)
+        for problem in problems:
+            print(f"docs: {problem}")
+        return 1 if problems else 0
+    if args.allow_dirty and not args.documented:
+        raise ValueError("--allow-dirty only applies to --documented")
+    if args.documented:
+        _refuse_documented(args)
     names = BENCHMARKS if args.benchmark == "all" else (args.benchmark,)
     problems: List[str] = []
     for name in names:
         problems += run_one(name, args)
         print()
+    if args.documented:
+        problems += [f"docs: {p}" for p in regenerate(DOCS_DIR)]
     for problem in problems:
         print(f"INVARIANT VIOLATED: {problem}")
     return 1 if problems else 0

@@ -7,7 +7,9 @@ forced to their trace's output length (greedy, `ignore_eos`, `max_tokens`).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -73,6 +75,8 @@ def build_engine(model, tokenizer, system: str, kv_slots: int, block_size: int =
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; use one of {SYSTEMS}")
     options.setdefault("num_swap_blocks", 0)
+    if system != "paged":
+        options["enable_prefix_caching"] = False  # a reservation shares nothing, whatever the engine's default
     if system == "paged":
         if kv_slots % block_size:
             raise ValueError(f"kv_slots={kv_slots} is not a multiple of block_size={block_size}")
@@ -81,6 +85,53 @@ def build_engine(model, tokenizer, system: str, kv_slots: int, block_size: int =
     engine = LLMEngine(model, tokenizer, block_size=1, num_blocks=kv_slots, max_model_len=max_model_len, **options)
     install_reservation(engine, system, allocator)
     return engine
+
+
+def kv_cache_dtype_refusal(kv_cache_dtype: str) -> Optional[str]:
+    """Why the engine cannot take `kv_cache_dtype=...` (None when it can): the option may not exist yet,
+    or may not support that dtype."""
+    from paged_backend.config import EngineConfig
+
+    try:
+        EngineConfig.from_kwargs(kv_cache_dtype=kv_cache_dtype)
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def build_kv_dtype_engine(model, tokenizer, kv_cache_dtype: str, kv_bytes: int, block_size: int = 16,
+                          max_model_len: int = MAX_TOTAL_TOKENS) -> LLMEngine:
+    """A paged engine whose KV cache is stored as `kv_cache_dtype` in `kv_bytes` bytes (the engine sizes the
+    blocks, so a compact dtype holds more tokens in the same memory)."""
+    return LLMEngine(model, tokenizer, block_size=block_size, kv_cache_memory=kv_bytes, kv_cache_dtype=kv_cache_dtype,
+                     max_model_len=max_model_len, num_swap_blocks=0)
+
+
+def kv_cache_bytes(engine: LLMEngine) -> int:
+    """Bytes of device KV cache the engine holds."""
+    return engine.kv_size.bytes_per_block * engine.kv_size.num_blocks
+
+
+def engine_settings(engine: LLMEngine) -> dict:
+    """Every configuration field of an engine (cache, scheduler, parallel, seed) plus its KV size."""
+    settings = dataclasses.asdict(engine.config)
+    settings["kv_num_blocks"] = engine.kv_size.num_blocks
+    settings["kv_bytes"] = kv_cache_bytes(engine)
+    settings["max_model_len"] = engine.max_model_len
+    settings["block_manager"] = type(engine.block_manager).__name__
+    return settings
+
+
+def recomputed_tokens(stats) -> Optional[int]:
+    """`EngineStats.num_recomputed_tokens` (tokens computed again after a preemption), None where the engine
+    does not report it yet."""
+    value = getattr(stats, "num_recomputed_tokens", None)
+    return None if value is None else int(value)
+
+
+def token_digest(token_ids) -> str:
+    """A short fingerprint of one request's output tokens, to compare systems without storing the tokens."""
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:12]
 
 
 def forced_params(request: TraceRequest) -> SamplingParams:
@@ -133,6 +184,10 @@ class TraceRun:
     tally: KVTally
     leaked_blocks: int
     wrong_lengths: int
+    recomputed_tokens: Optional[int] = None
+    trace_prompt_tokens: int = 0
+    digests: List[str] = field(default_factory=list)   # per request, in trace order
+    settings: dict = field(default_factory=dict)
     extra: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -151,7 +206,9 @@ class TraceRun:
                 "block_size": self.block_size, "kv_slots": self.kv_slots,
                 "requests_per_s": self.requests_per_s, "output_tokens_per_s": self.output_tokens_per_s,
                 "leaked_blocks": self.leaked_blocks, "wrong_lengths": self.wrong_lengths,
-                "memory": self.tally.as_dict(), **self.extra}
+                "recomputed_tokens": self.recomputed_tokens,
+                "extra_prefill_tokens": self.prompt_tokens - self.trace_prompt_tokens,
+                "memory": self.tally.as_dict(), "engine": self.settings, **self.extra}
 
 
 def leaked_blocks(engine: LLMEngine) -> int:
@@ -174,6 +231,7 @@ def run_trace(engine: LLMEngine, trace: Trace, system: str, kv_slots: int,
         engine.add_request(rid, list(request.prompt_token_ids), forced_params(request))
         wanted[rid] = request.output_len
     finished = failed = output_tokens = wrong = 0
+    tokens: Dict[str, List[int]] = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
@@ -186,16 +244,22 @@ def run_trace(engine: LLMEngine, trace: Trace, system: str, kv_slots: int,
                 failed += 1
                 continue
             finished += 1
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
             produced = len(out.outputs[0].token_ids)
             output_tokens += produced
             wrong += produced != wanted[out.request_id]
     wall = time.perf_counter() - start
     ledger.detach()
     stats = engine.get_stats()
+    recomputed = recomputed_tokens(stats)
+    if recomputed is not None:
+        recomputed -= recomputed_tokens(before) or 0
     return TraceRun(system, wall, len(trace.requests), finished, failed, output_tokens,
                     stats.num_prompt_tokens - before.num_prompt_tokens, stats.num_steps - before.num_steps,
                     stats.num_preemptions - before.num_preemptions, stats.peak_used_blocks,
-                    engine.block_manager.block_size, kv_slots, ledger.tally, leaked_blocks(engine), wrong)
+                    engine.block_manager.block_size, kv_slots, ledger.tally, leaked_blocks(engine), wrong,
+                    recomputed, sum(r.prompt_len for r in trace.requests),
+                    [token_digest(tokens.get(rid, [])) for rid in wanted], engine_settings(engine))
 
 
 def release(engine: Optional[LLMEngine]) -> None:

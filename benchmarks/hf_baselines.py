@@ -9,11 +9,12 @@ output; batches are formed in trace order as large as fit the KV budget (rows x 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List
 
 import torch
 
+from .engine_runs import token_digest
 from .workloads import Trace, TraceRequest
 
 
@@ -29,6 +30,7 @@ class BaselineRun:
     generated_tokens: int     # every generated token, padding rows included
     wrong_lengths: int
     detail: dict
+    digests: List[str] = field(default_factory=list)   # per request, in trace order
 
     def as_dict(self) -> dict:
         return {"system": self.system, "wall_s": self.wall_s, "num_requests": self.num_requests,
@@ -72,6 +74,7 @@ def run_hf_static(model, tokenizer, trace: Trace, kv_slots: int) -> BaselineRun:
     pad = _pad_id(model, tokenizer)
     batches = static_batches(trace.requests, kv_slots)
     produced = generated = wrong = 0
+    digests = [""] * len(trace.requests)
     start = time.perf_counter()
     for batch in batches:
         reqs = [trace.requests[i] for i in batch]
@@ -84,14 +87,24 @@ def run_hf_static(model, tokenizer, trace: Trace, kv_slots: int) -> BaselineRun:
                                  do_sample=False, pad_token_id=pad)
         rows = out.shape[1] - width
         generated += rows * len(reqs)
-        for r in reqs:
+        for row, (i, r) in enumerate(zip(batch, reqs)):
             produced += min(r.output_len, rows)
             wrong += rows < r.output_len
+            digests[i] = token_digest(out[row, width:width + r.output_len].tolist())
     wall = time.perf_counter() - start
     sizes = [len(b) for b in batches]
     return BaselineRun("hf-static", wall, len(trace.requests), len(trace.requests), produced, generated, wrong,
                        {"num_batches": len(batches), "avg_batch": sum(sizes) / len(sizes),
-                        "max_batch": max(sizes)})
+                        "max_batch": max(sizes)}, digests)
+
+
+def warm_up_hf(model, tokenizer, prompt_ids: List[int], tokens: int = 2) -> None:
+    """One short `generate` so first-call costs do not land in a timed baseline run."""
+    pad = _pad_id(model, tokenizer)
+    with torch.inference_mode():
+        model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                       dtype=torch.long), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                       pad_token_id=pad)
 
 
 def run_hf_continuous(model, tokenizer, trace: Trace, kv_slots: int, page_size: int = 16,
@@ -111,8 +124,9 @@ def run_hf_continuous(model, tokenizer, trace: Trace, kv_slots: int, page_size: 
         with model.continuous_batching_context_manager(generation_config=generation, continuous_batching_config=cb,
                                                        block=True, timeout=10, warmup=False) as manager:
             start = time.perf_counter()
-            wanted = {manager.add_request(list(r.prompt_token_ids), max_new_tokens=r.output_len,
-                                          eos_token_id=-1): r.output_len for r in trace.requests}
+            ids = [manager.add_request(list(r.prompt_token_ids), max_new_tokens=r.output_len, eos_token_id=-1)
+                   for r in trace.requests]
+            wanted = {rid: r.output_len for rid, r in zip(ids, trace.requests)}
             while len(results) < len(wanted):
                 if time.perf_counter() - start > timeout_s:
                     raise TimeoutError(f"HF continuous batching not done after {timeout_s:.0f} s")
@@ -130,4 +144,6 @@ def run_hf_continuous(model, tokenizer, trace: Trace, kv_slots: int, page_size: 
     return BaselineRun("hf-continuous", wall, len(trace.requests), len(results) - failed, produced,
                        sum(lengths.values()), sum(1 for rid, n in lengths.items() if n != wanted[rid]),
                        {"page_size": page_size, "num_blocks": kv_slots // page_size,
-                        "max_batch_tokens": max_batch_tokens})
+                        "max_batch_tokens": max_batch_tokens},
+                       [token_digest(list(results[rid].generated_tokens)[:wanted[rid]]) if rid in results else ""
+                        for rid in ids])

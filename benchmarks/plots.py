@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import matplotlib
 
@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 CATEGORIES = [("token_states", "token states", "#2e7d32"), ("reserved", "reserved", "#f9a825"),
               ("internal", "internal frag.", "#ef6c00"), ("external", "external frag.", "#c62828")]
 SYSTEM_COLORS = {"paged": "#1565c0", "oracle": "#6a1b9a", "pow2": "#ad1457", "max": "#4e342e",
-                 "hf-static": "#757575", "hf-continuous": "#00838f"}
+                 "hf-static": "#757575", "hf-continuous": "#00838f", "hf-serve": "#00838f"}
 
 
 def _save(fig, path: Path) -> Path:
@@ -58,49 +58,68 @@ def plot_waste(result: dict, path: Path) -> Path:
     return path
 
 
+def _median_and_error(spreads: List[dict]) -> Tuple[List[float], List[List[float]]]:
+    medians = [s["median"] if s else 0.0 for s in spreads]
+    below = [s["median"] - s["min"] if s else 0.0 for s in spreads]
+    above = [s["max"] - s["median"] if s else 0.0 for s in spreads]
+    return medians, [below, above]
+
+
 def plot_throughput(result: dict, path: Path) -> Path:
-    """Output tokens/s per system at equal KV memory, each bar labelled with ours / its throughput."""
-    runs = result["runs"]
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    labels = [r["label"] for r in runs]
-    values = [r["output_tokens_per_s"] for r in runs]
-    bars = ax.barh(labels, values, color=[SYSTEM_COLORS.get(r["system"], "#999999") for r in runs])
-    for bar, run in zip(bars, runs):
-        ratio = run.get("paged_speedup")
-        text = f"{run['output_tokens_per_s']:.0f} tok/s" + (f"  (ours {ratio:.2f}x)" if ratio else "")
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
-    ax.set_xlim(0, max(values) * 1.45 if values else 1)
+    """Output tokens/s per system (median, range as error bars); compact-KV rows hatched and set apart."""
+    rows = [r for r in result["rows"] if r["kind"] == "equal-precision"] + \
+        [r for r in result["rows"] if r["kind"] != "equal-precision"]
+    fig, ax = plt.subplots(figsize=(8.5, 0.45 * len(rows) + 1.4))
+    values, errors = _median_and_error([r["output_tokens_per_s"] for r in rows])
+    colors = [SYSTEM_COLORS.get(r["system"], "#90caf9") for r in rows]
+    bars = ax.barh([r["label"] for r in rows], values, xerr=errors, color=colors, capsize=3,
+                   hatch=None, error_kw={"elinewidth": 1})
+    for bar, row in zip(bars, rows):
+        if row["kind"] != "equal-precision":
+            bar.set_hatch("//")
+        ratio = row.get("ratio")
+        note = "" if not ratio else (f"  (ours {ratio['median']:.2f}x)" if row["kind"] == "equal-precision"
+                                     else f"  ({ratio['median']:.2f}x paged)")
+        tps = row["output_tokens_per_s"]
+        if tps:
+            ax.text(tps["max"], bar.get_y() + bar.get_height() / 2, f"  {tps['median']:.1f} tok/s{note}",
+                    va="center", fontsize=8)
+    ax.set_xlim(0, max(v + e for v, e in zip(values, errors[1])) * 1.6 if values else 1)
     ax.invert_yaxis()
     trace, config = result["trace"], result["config"]
-    ax.set_xlabel("useful output tokens / s")
-    ax.set_title(f"{trace['num_requests']} {trace['name']} requests, {config['model']}, "
-                 f"{config['kv_slots']} KV slots for every system", fontsize=10)
+    ax.set_xlabel(f"useful output tokens / s (median and range of {config['repetitions']} interleaved rounds)")
+    ax.set_title(f"{trace['num_requests']} {trace['name']} requests, {config['model']} {config['dtype']}, "
+                 f"{config['kv_slots']} KV slots ({result['kv_mib']:.1f} MiB) for every system", fontsize=10)
     return _save(fig, path)
 
 
 def plot_serving(result: dict, path: Path) -> Path:
-    """Figure 12 style: normalized latency and mean TTFT against the offered request rate, per system."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    systems = []
-    for run in result["runs"]:
-        if run["system"] not in systems:
-            systems.append(run["system"])
+    """Output tokens/s, median TTFT and busy cores against concurrency, per server (median, range)."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    systems = list(dict.fromkeys(r["system"] for r in result["rows"]))
+    panels = [("output_tokens_per_s", "output tokens / s"), ("ttft_ms_median", "median time to first token (ms)"),
+              ("busy_cores", "server CPU cores busy")]
     for system in systems:
-        runs = [r for r in result["runs"] if r["system"] == system and r["num_finished"]]
-        rates = [r["rate"] for r in runs]
-        color = SYSTEM_COLORS.get(system, "#999999")
-        label = "paged (ours)" if system == "paged" else f"reserve {system}"
-        axes[0].plot(rates, [r["normalized_latency_s_per_token"] for r in runs], "o-", color=color, label=label)
-        axes[1].plot(rates, [r["mean_ttft_s"] for r in runs], "o-", color=color, label=label)
-    axes[0].set_ylabel("normalized latency (s / output token)")
-    axes[1].set_ylabel("mean time to first token (s)")
-    for ax in axes:
-        ax.set_xlabel("request rate (req/s)")
+        rows = [r for r in result["rows"] if r["system"] == system]
+        xs = [r["concurrency"] for r in rows]
+        for ax, (key, _) in zip(axes, panels):
+            have = [(x, r[key]) for x, r in zip(xs, rows) if r[key]]
+            if not have:
+                continue
+            values, errors = _median_and_error([s for _, s in have])
+            ax.errorbar([x for x, _ in have], values, yerr=errors, fmt="o-", capsize=3,
+                        color=SYSTEM_COLORS.get(system, "#999999"), label=rows[0]["label"])
+    concurrencies = sorted({r["concurrency"] for r in result["rows"]})
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     c = result["config"]
-    fig.suptitle(f"{result['trace']['name']} requests over HTTP, {c['model']}, {c['kv_slots']} KV slots",
-                 fontsize=10)
+    fig.suptitle(f"guidellm {result['guidellm']}: {c['prompt_tokens']}-token prompts, {c['output_tokens']} output "
+                 f"tokens, {c['model']}, {c['kv_slots']} KV slots and {c['threads']} threads per server", fontsize=10)
     return _save(fig, path)
 
 

@@ -3,13 +3,45 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+
+from .provenance import git_state, load_average, machine, versions
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    """What the CLI and the docs generator need to know about one benchmark: its config class, named sizes
+    (option overrides of the config's defaults), which size the documented record uses, and how to run,
+    check, tabulate and plot it (`plot` names a function of plots.py, imported only when drawing)."""
+
+    name: str
+    config_cls: type
+    run: Callable[[Any], Dict[str, Any]]
+    check: Callable[[Dict[str, Any]], List[str]]
+    table: Callable[[Dict[str, Any]], str]
+    plot: str
+    sizes: Dict[str, Dict[str, Any]]
+    documented_size: str
+    uses_scratch_dir: bool = False   # run(config, scratch_dir) keeps raw by-products there (never committed)
+
+    def execute(self, config: Any, scratch_dir: Path) -> Dict[str, Any]:
+        return self.run(config, scratch_dir) if self.uses_scratch_dir else self.run(config)
+
+    def config(self, size: str, **overrides: Any):
+        """The config of a named size with explicit options on top."""
+        if size not in self.sizes:
+            raise ValueError(f"{self.name} has no size {size!r}; sizes: {', '.join(self.sizes)}")
+        return self.config_cls(**{**self.sizes[size], **overrides})
+
+    def plot_function(self) -> Callable[[Dict[str, Any], Path], Any]:
+        from . import plots
+
+        return getattr(plots, self.plot)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> str:
@@ -28,27 +60,15 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     return "\n".join(lines)
 
 
-def load_average() -> List[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
 def conditions(**extra: Any) -> Dict[str, Any]:
-    """Machine and software facts recorded with every result."""
-    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "host_cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "load_average_1_5_15": load_average(),
-            "python": platform.python_version(), "torch": torch.__version__, **extra}
-
-
-def results_dir(base: str, name: str) -> Path:
-    path = Path(base) / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Machine, software and code facts recorded with every result: time, git commit (and whether the tree
+    was dirty), cores, CPU model, memory, load average at the start, versions and torch threads."""
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state().as_dict(), "machine": machine(),
+            "versions": versions(), "torch_threads": torch.get_num_threads(), **extra}
 
 
 def write_json(path: Path, data: Dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
 
@@ -59,14 +79,19 @@ def percent(x: float) -> str:
 
 def run_and_report(name: str, run: Callable[[], Dict[str, Any]], check: Callable[[Dict[str, Any]], List[str]],
                    table: Callable[[Dict[str, Any]], str], plot: Optional[Callable[[Dict[str, Any], Path], Any]],
-                   out_dir: Path) -> Dict[str, Any]:
-    """Run a benchmark, check its invariants, print its table, write NAME.json and (if `plot`) NAME.png."""
+                   json_path: Path, plot_path: Optional[Path], extra: Optional[Dict[str, Any]] = None
+                   ) -> Dict[str, Any]:
+    """Run a benchmark, check its invariants, print its table, write its JSON (with `extra`, e.g. the command
+    and size) and, when `plot` and `plot_path` are given, its PNG."""
     start = time.perf_counter()
     result = run()
     result["elapsed_s"] = time.perf_counter() - start
+    result.setdefault("conditions", {})["load_average_after"] = load_average()
+    result.update(extra or {})
     result["problems"] = check(result)
     print(table(result))
-    write_json(out_dir / f"{name}.json", result)
-    if plot is not None:
-        plot(result, out_dir / f"{name}.png")
+    write_json(json_path, result)
+    if plot is not None and plot_path is not None:
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(result, plot_path)
     return result

@@ -95,6 +95,10 @@ class ReservationBlockManager(BlockManager):
             raise RuntimeError(f"sequence {seq.seq_id} outgrew its reservation")
         return []
 
+    def kv_usage(self, seqs) -> Tuple[int, int]:
+        """A reservation holds slots beyond its last token: walk the tables (no O(1) shortcut here)."""
+        return self.token_slot_usage(seqs)
+
     def fork(self, parent: Sequence, child: Sequence, num_tokens=None) -> None:
         raise ValueError("the reservation baseline runs one sequence per request (no n > 1 or beam search)")
 
@@ -113,12 +117,11 @@ def install_reservation(engine, policy: str, allocator: str = "first-fit") -> Re
     """Make a fresh `LLMEngine` reserve contiguous capacity per request; returns the new block manager."""
     if engine.has_unfinished_requests():
         raise ValueError("install the reservation manager before adding requests")
-    if engine.config.cache.enable_prefix_caching:
-        raise ValueError("the reservation baseline does not share blocks: disable prefix caching")
     if engine.config.parallel.tensor_parallel_size != 1:
         raise ValueError("the reservation baseline runs on one rank")
     old = engine.block_manager
     manager = ReservationBlockManager(old.block_size, old.num_blocks, policy, engine.max_model_len, allocator)
+    engine.config.cache.enable_prefix_caching = False  # a reservation shares nothing, cached prefixes included
     engine.block_manager = manager
     engine.scheduler.block_manager = manager
     return manager

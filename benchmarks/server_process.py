@@ -1,18 +1,27 @@
-"""Start an HTTP server as a child process on 127.0.0.1, wait for its ready banner, stop it cleanly."""
+"""Start an HTTP server as a child process on 127.0.0.1, wait for its ready line, sample its CPU time, stop it."""
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
+import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Pattern, Tuple
 
-_READY = re.compile(r"ready on (http://\S+)")
+OUR_READY = re.compile(r"ready on (http://\S+)")          # paged-backend serve and the baseline server
+UVICORN_READY = re.compile(r"Uvicorn running on (http://\S+)")
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago (for servers that cannot pick their own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclass
@@ -20,6 +29,7 @@ class ServerProcess:
     """A running server child; `log` keeps the last lines it printed."""
 
     proc: subprocess.Popen
+    ready_pattern: Pattern
     base_url: str = ""
     log: Deque[str] = field(default_factory=lambda: deque(maxlen=200))
     ready: threading.Event = field(default_factory=threading.Event)
@@ -43,37 +53,84 @@ def _pump(server: ServerProcess) -> None:
     for line in server.proc.stdout:
         line = line.rstrip("\n")
         server.log.append(line)
-        match = _READY.search(line)
+        match = server.ready_pattern.search(line)
         if match and not server.ready.is_set():
-            server.base_url = match.group(1)
+            server.base_url = match.group(1).rstrip("/")
             server.ready.set()
 
 
-def start_server(args: List[str], env: Optional[Dict[str, str]] = None, ready_timeout: float = 300.0) -> ServerProcess:
-    """Run `python -m <args...>` and wait until it prints 'ready on http://HOST:PORT'."""
-    full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=full_env)
-    server = ServerProcess(proc)
+def launch(argv: List[str], ready_pattern: Pattern = OUR_READY, env: Optional[Dict[str, str]] = None
+           ) -> ServerProcess:
+    """Start `argv` (stdout and stderr read line by line); does not wait (see `wait_ready`)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    server = ServerProcess(proc, ready_pattern)
     threading.Thread(target=_pump, args=(server,), daemon=True).start()
-    deadline = time.monotonic() + ready_timeout
-    while not server.ready.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError(f"server {' '.join(args[:2])} did not get ready (exit {proc.returncode}):\n"
-                               f"{server.tail()}")
     return server
 
 
-def paged_server_args(model: str, kv_slots: int, block_size: int, max_model_len: int) -> List[str]:
-    """`paged-backend serve` (our engine) with a KV budget of `kv_slots` token slots."""
-    return ["paged_backend.cli", "serve", model, "--port", "0", "--log-level", "warning",
-            "--block-size", str(block_size), "--num-blocks", str(kv_slots // block_size),
-            "--max-model-len", str(max_model_len)]
+def wait_ready(server: ServerProcess, ready_timeout: float = 300.0) -> ServerProcess:
+    """Wait until the server prints its ready line; stops it and raises if it exits or takes too long."""
+    deadline = time.monotonic() + ready_timeout
+    while not server.ready.wait(0.2):
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"server {' '.join(server.proc.args[:4])} did not get ready "
+                               f"(exit {server.proc.returncode}):\n{server.tail()}")
+    return server
 
 
-def baseline_server_args(model: str, policy: str, kv_slots: int, max_model_len: int,
-                         allocator: str = "first-fit") -> List[str]:
-    """The reservation baseline behind the same HTTP app, with single-slot blocks."""
-    return ["paged_backend.benchmarks.baseline_server", model, "--policy", policy, "--allocator", allocator,
-            "--block-size", "1", "--num-blocks", str(kv_slots), "--max-model-len", str(max_model_len)]
+def start_server(argv: List[str], env: Optional[Dict[str, str]] = None, ready_timeout: float = 300.0,
+                 ready_pattern: Pattern = OUR_READY) -> ServerProcess:
+    """Start a server and wait until it is ready."""
+    return wait_ready(launch(argv, ready_pattern, env), ready_timeout)
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU time of a process (all its threads) from /proc; None where /proc is unavailable."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSampler:
+    """Samples a process's CPU seconds against wall-clock time in a thread, so the cores it kept busy in any
+    window (e.g. one guidellm benchmark) can be read afterwards."""
+
+    def __init__(self, pid: int, interval_s: float = 0.2) -> None:
+        self.pid, self.interval_s = pid, interval_s
+        self.samples: List[Tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            cpu = cpu_seconds(self.pid)
+            if cpu is not None:
+                self.samples.append((time.time(), cpu))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def busy_cores(self, start: float, end: float) -> Optional[float]:
+        """CPU seconds per wall second between two epoch times (interpolated between samples)."""
+        if end <= start or len(self.samples) < 2:
+            return None
+        times = [t for t, _ in self.samples]
+        if start < times[0] or end > times[-1]:
+            return None
+        return (self._at(end, times) - self._at(start, times)) / (end - start)
+
+    def _at(self, when: float, times: List[float]) -> float:
+        i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
+        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+        return c0 if t1 == t0 else c0 + (c1 - c0) * (when - t0) / (t1 - t0)

@@ -1,201 +1,170 @@
-"""Benchmark 4, serving (the paper's Figure 12): Poisson arrivals at several request rates against
-the HTTP server, for our engine (`paged-backend serve`) and reservation baselines behind the same app.
-
-Each request streams from the OpenAI `/v1/completions` route with token-id prompts, greedy,
-`ignore_eos` and `max_tokens` set to the trace's output length. Per rate we report time to first
-token, time per output token, the paper's normalized latency (mean of end-to-end latency / output
-tokens) and the throughput achieved. Arrivals stop after `duration` seconds or `max_requests`.
-"""
+"""Benchmark 4, serving over HTTP: guidellm (the vLLM project's load generator) drives each server with
+synthetic prompts of a fixed token count and forced output lengths at concurrencies 1 to 32; our server
+(`paged-backend serve`), `transformers serve --continuous-batching` and the reservation baseline behind our
+HTTP app run side by side on the same weights, KV budget and threads, in interleaved rounds (A, B, C, A, B,
+C, ...). Rows are medians with their range; ratios are paired within a round. The cores each server kept
+busy during each concurrency are read from /proc while it runs."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import random
-import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Tuple
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
-from .engine_runs import load_tokenizer, set_threads
-from .report import conditions, format_table
-from .server_process import baseline_server_args, paged_server_args, start_server
-from .workloads import MAX_TOTAL_TOKENS, TraceRequest, make_trace
-
-PAPER_NOTE = ("paper Fig. 12 (OPT-13B): at the same normalized latency vLLM sustains 1.7x-2.7x the request rate "
-              "of Orca (Oracle) and 2.7x-8x that of Orca (Max) on ShareGPT; on Alpaca the gap to Orca (Oracle) "
-              "is smaller")
+from .engine_runs import set_threads
+from .guidellm_env import GUIDELLM_VERSION, guidellm_executable
+from .guidellm_run import GuidellmLoad, read_report, run_guidellm, scenario
+from .repeat import interleaved_order
+from .report import BenchmarkSpec, conditions
+from .server_process import CpuSampler, ServerProcess, launch, wait_ready
+from .serving_rows import check_serving, serving_table, summarize_serving
+from .serving_systems import (SERVED_SYSTEMS, ServedSystem, paged_system, reservation_system, served_model_dir,
+                              transformers_system)
 
 
 @dataclass
 class ServingConfig:
+    """Defaults are the documented run (see SIZES)."""
+
     model: str = "smollm2"
-    workload: str = "alpaca"
-    rates: Tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 4.0)
-    duration_s: float = 30.0
-    max_requests: int = 100
-    drain_timeout_s: float = 180.0
-    kv_slots: int = 1024
+    systems: Tuple[str, ...] = SERVED_SYSTEMS
+    concurrencies: Tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    prompt_tokens: int = 128
+    output_tokens: int = 64
+    min_requests: int = 8           # requests per concurrency: max(min_requests, requests_per_stream x streams)
+    requests_per_stream: int = 2
+    kv_slots: int = 3072
     block_size: int = 16
-    max_model_len: int = MAX_TOTAL_TOKENS
-    baselines: Tuple[str, ...] = ("oracle",)
+    max_model_len: Optional[int] = None
+    max_batch_tokens: int = 2048
+    repetitions: int = 3
     seed: int = 0
-    threads: Optional[int] = None
+    threads: Optional[int] = 2
+    dtype: str = "float32"
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        self.systems, self.concurrencies = tuple(self.systems), tuple(self.concurrencies)
+        unknown = set(self.systems) - set(SERVED_SYSTEMS + ("pow2", "max"))
+        if unknown or not self.systems:
+            raise ValueError(f"unknown systems {sorted(unknown)}; use {SERVED_SYSTEMS} (and pow2, max)")
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies must be positive, got {self.concurrencies}")
+        if self.kv_slots % self.block_size:
+            raise ValueError(f"kv_slots={self.kv_slots} is not a multiple of block_size={self.block_size}")
+
+    def requests(self) -> List[int]:
+        return [max(self.min_requests, self.requests_per_stream * c) for c in self.concurrencies]
 
 
-QUICK = {"model": "tiny-llama", "rates": (4.0,), "duration_s": 2.0, "max_requests": 8, "drain_timeout_s": 60.0,
-         "kv_slots": 1024, "max_model_len": 1024}
+ANCHOR = {"model": "smollm2", "concurrencies": (1, 2, 4, 8, 16, 32), "prompt_tokens": 128, "output_tokens": 64,
+          "kv_slots": 3072, "block_size": 16, "repetitions": 3, "threads": 2, "dtype": "float32"}
+# One concurrency and one round (each guidellm sweep costs seconds of start-up whatever its size), with KV for two
+# of the four concurrent requests, so every server meets memory pressure.
+QUICK = {"model": "tiny-llama", "concurrencies": (4,), "prompt_tokens": 16, "output_tokens": 8, "min_requests": 4,
+         "requests_per_stream": 1, "kv_slots": 64, "repetitions": 1, "threads": 1}
+SIZES = {"quick": QUICK, "anchor": ANCHOR}
 
 
-@dataclass
-class RequestTiming:
-    sent: float
-    first_token: Optional[float]
-    done: float
-    output_tokens: int
-    error: Optional[str] = None
+def _systems(config: ServingConfig, model_dir: Path) -> List[ServedSystem]:
+    limit = config.max_model_len
+    built = []
+    for name in config.systems:
+        if name == "paged":
+            built.append(paged_system(model_dir, config.kv_slots, config.block_size, limit, config.dtype))
+        elif name == "hf-serve":
+            built.append(transformers_system(model_dir, config.kv_slots, config.block_size, config.max_batch_tokens,
+                                             config.dtype))
+        else:
+            built.append(reservation_system(model_dir, name, config.kv_slots, limit, config.dtype))
+    return built
 
 
-def arrival_times(rate: float, duration_s: float, max_requests: int, seed: int) -> List[float]:
-    """Poisson arrivals: exponential gaps with mean 1/rate, until `duration_s` or `max_requests`."""
-    if rate <= 0:
-        raise ValueError(f"request rate must be positive, got {rate}")
-    rng = random.Random(seed)
-    times, t = [], 0.0
-    while len(times) < max_requests:
-        t += rng.expovariate(rate)
-        if t > duration_s:
-            break
-        times.append(t)
-    return times or [0.0]
-
-
-async def _one(client, url: str, request: TraceRequest, delay: float) -> RequestTiming:
-    await asyncio.sleep(delay)
-    body = {"model": "bench", "prompt": list(request.prompt_token_ids), "max_tokens": request.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    first, tokens, error = None, 0, None
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-            if reply.status_code != 200:
-                error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
-            else:
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("choices") and first is None:
-                        first = time.perf_counter()
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("error"):
-                        error = str(chunk["error"])[:200]
-    except Exception as exc:  # a dropped connection is a failed request, not a crashed benchmark
-        error = f"{type(exc).__name__}: {exc}"
-    return RequestTiming(sent, first, time.perf_counter(), tokens, error)
-
-
-async def _run_rate(base_url: str, requests: List[TraceRequest], times: List[float],
-                    drain_timeout_s: float) -> List[RequestTiming]:
+def _model_id(server: ServerProcess) -> str:
     import httpx
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
-        tasks = [asyncio.ensure_future(_one(client, base_url, r, t)) for r, t in zip(requests, times)]
-        done, pending = await asyncio.wait(tasks, timeout=times[-1] + drain_timeout_s)
-        for task in pending:
-            task.cancel()  # the client disconnects; the server aborts the request and frees its blocks
-        await asyncio.gather(*pending, return_exceptions=True)
-    now = time.perf_counter()
-    return [t.result() if t in done else RequestTiming(0.0, None, now, 0, "timed out") for t in tasks]
+    models = httpx.get(server.base_url + "/v1/models", timeout=30).json()
+    return models["data"][0]["id"]
 
 
-def summarize(timings: List[RequestTiming], requests: List[TraceRequest], rate: float) -> dict:
-    """Latency and throughput figures of one rate."""
-    ok = [(t, r) for t, r in zip(timings, requests) if t.error is None and t.output_tokens == r.output_len]
-    if not ok:
-        return {"rate": rate, "num_requests": len(timings), "num_finished": 0,
-                "errors": [t.error for t in timings if t.error][:3]}
-    start = min(t.sent for t in timings if t.sent)
-    end = max(t.done for t, _ in ok)
-    ttft = [t.first_token - t.sent for t, _ in ok if t.first_token is not None]
-    tpot = [(t.done - t.first_token) / (t.output_tokens - 1) for t, _ in ok
-            if t.first_token is not None and t.output_tokens > 1]
-    normalized = [(t.done - t.sent) / t.output_tokens for t, _ in ok]
-    tokens = sum(t.output_tokens for t, _ in ok)
-    return {"rate": rate, "num_requests": len(timings), "num_finished": len(ok),
-            "throughput_req_s": len(ok) / (end - start), "output_tokens_per_s": tokens / (end - start),
-            "mean_ttft_s": statistics.fmean(ttft) if ttft else None,
-            "p90_ttft_s": sorted(ttft)[int(0.9 * (len(ttft) - 1))] if ttft else None,
-            "mean_tpot_s": statistics.fmean(tpot) if tpot else None,
-            "normalized_latency_s_per_token": statistics.fmean(normalized),
-            "mean_e2e_s": statistics.fmean(t.done - t.sent for t, _ in ok),
-            "errors": [t.error for t in timings if t.error][:3]}
+def _warm_up(server: ServerProcess, system: ServedSystem, model_id: str, config: ServingConfig) -> None:
+    """One request of the benchmark's shape, so first-call costs stay out of the measurement."""
+    import httpx
+
+    body = {"model": model_id, "prompt": "Hello " * config.prompt_tokens, "max_tokens": config.output_tokens,
+            **system.force_length(config.output_tokens)}
+    reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=config.request_timeout_s)
+    if reply.status_code != 200:
+        raise RuntimeError(f"{system.name}: warm-up request failed: HTTP {reply.status_code} {reply.text[:300]}")
 
 
-def _serve_and_measure(system: str, args: List[str], trace, config: ServingConfig, env: dict) -> List[dict]:
-    server = start_server(args, env)
+def _start_all(systems: List[ServedSystem], env: Dict[str, str]) -> Dict[str, ServerProcess]:
+    """Launch every server at once (they load in parallel), then wait for each; idle servers use no CPU."""
+    servers: Dict[str, ServerProcess] = {}
     try:
-        warm = [TraceRequest(trace.requests[0].prompt_token_ids, 4)]
-        asyncio.run(_run_rate(server.base_url, warm, [0.0], 120.0))
-        rows = []
-        for i, rate in enumerate(config.rates):
-            times = arrival_times(rate, config.duration_s, min(config.max_requests, len(trace.requests)),
-                                  config.seed + i)
-            requests = trace.requests[:len(times)]
-            timings = asyncio.run(_run_rate(server.base_url, requests, times, config.drain_timeout_s))
-            rows.append({"system": system, **summarize(timings, requests, rate)})
-            norm = rows[-1].get("normalized_latency_s_per_token")
-            print(f"  {system} at {rate} req/s: {rows[-1]['num_finished']}/{len(requests)} done, normalized latency "
-                  f"{'-' if norm is None else f'{norm:.3f}'} s/token", flush=True)
-        return rows
-    finally:
-        code = server.stop()
-        if code not in (0, None):
-            print(f"warning: {system} server exited with {code}:\n{server.tail()}")
+        for system in systems:
+            servers[system.name] = launch(system.argv, system.ready_pattern, {**env, **system.env})
+        for server in servers.values():
+            wait_ready(server)
+    except BaseException:
+        _stop_all(servers)
+        raise
+    return servers
 
 
-def run_serving(config: ServingConfig) -> dict:
+def _stop_all(servers: Dict[str, ServerProcess]) -> Dict[str, Optional[int]]:
+    return {name: server.stop() for name, server in servers.items()}
+
+
+def run_serving(config: ServingConfig, scratch_dir: Path) -> dict:
+    """Run the guidellm sweeps; guidellm's scenarios, logs and full reports go under `scratch_dir`/guidellm."""
     threads = set_threads(config.threads)
-    tokenizer = load_tokenizer(config.model)
-    count = min(config.max_requests, max(1, int(max(config.rates) * config.duration_s * 2) + 4))
-    trace = make_trace(config.workload, tokenizer, count, config.seed)
-    env = {"OMP_NUM_THREADS": str(threads), "PAGED_BENCH_THREADS": str(threads)}
-    rows = _serve_and_measure("paged", paged_server_args(config.model, config.kv_slots, config.block_size,
-                                                         config.max_model_len), trace, config, env)
-    for policy in config.baselines:
-        rows += _serve_and_measure(policy, baseline_server_args(config.model, policy, config.kv_slots,
-                                                                config.max_model_len), trace, config, env)
-    return {"benchmark": "serving", "config": asdict(config), "trace": trace.summary(),
-            "conditions": conditions(threads=threads), "runs": rows, "paper": PAPER_NOTE}
+    start_conditions = conditions(threads=threads)
+    executable = guidellm_executable()          # before any server starts: a first build takes minutes
+    model_dir = served_model_dir(config.model)
+    work_dir = Path(scratch_dir) / "guidellm"
+    systems = _systems(config, model_dir)
+    load = GuidellmLoad(config.concurrencies, config.requests(), config.prompt_tokens, config.output_tokens,
+                        config.seed, config.request_timeout_s)
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    servers = _start_all(systems, env)
+    runs: List[dict] = []
+    try:
+        ids = {}
+        for system in systems:
+            ids[system.name] = _model_id(servers[system.name])
+            _warm_up(servers[system.name], system, ids[system.name], config)
+        by_name = {s.name: s for s in systems}
+        for rep, name in interleaved_order([s.name for s in systems], config.repetitions):
+            server, system = servers[name], by_name[name]
+            tag = f"{name}-round{rep}"
+            spec = scenario(server.base_url, ids[name], str(model_dir), system.force_length(config.output_tokens),
+                            load, work_dir / f"{tag}.json")
+            began = time.perf_counter()
+            with CpuSampler(server.proc.pid) as sampler:
+                report = run_guidellm(executable, spec, work_dir, tag, timeout_s=_timeout(config))
+            for row in read_report(report):
+                row.update(system=name, repetition=rep,
+                           busy_cores=sampler.busy_cores(row["start_time"], row["end_time"]))
+                runs.append(row)
+            print(f"  round {rep + 1}/{config.repetitions} {name}: concurrencies {list(config.concurrencies)} in "
+                  f"{time.perf_counter() - began:.0f} s", flush=True)
+    finally:
+        exits = _stop_all(servers)
+    return {"benchmark": "serving", "config": asdict(config), "conditions": start_conditions,
+            "guidellm": GUIDELLM_VERSION, "model_dir": str(model_dir), "requests_per_concurrency": config.requests(),
+            "servers": {s.name: {"label": s.label, "argv": s.argv[1:], "force_length": s.force_length(
+                config.output_tokens)} for s in systems},
+            "server_exit_codes": exits, "order": [[r, n] for r, n in interleaved_order(
+                [s.name for s in systems], config.repetitions)],
+            "runs": runs, "rows": summarize_serving(runs, [s.name for s in systems], config.concurrencies)}
 
 
-def serving_table(result: dict) -> str:
-    headers = ["system", "rate req/s", "sent", "done", "achieved req/s", "out tok/s", "mean TTFT s", "p90 TTFT s",
-               "mean TPOT s", "norm. latency s/tok"]
-
-    def f(value, digits=3):
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    rows = [[r["system"], r["rate"], r["num_requests"], r["num_finished"], f(r.get("throughput_req_s")),
-             f(r.get("output_tokens_per_s"), 1), f(r.get("mean_ttft_s")), f(r.get("p90_ttft_s")),
-             f(r.get("mean_tpot_s")), f(r.get("normalized_latency_s_per_token"))] for r in result["runs"]]
-    c = result["config"]
-    title = (f"Serving over HTTP: {result['trace']['name']} requests, Poisson arrivals for {c['duration_s']:.0f} s "
-             f"(at most {c['max_requests']}), {c['model']}, {c['kv_slots']} KV slots each")
-    return format_table(headers, rows, title)
+def _timeout(config: ServingConfig) -> float:
+    """A generous bound on one guidellm sweep: every request alone at a slow pace, plus start-up."""
+    return 300.0 + sum(config.requests()) * config.output_tokens * 2.0
 
 
-def check_serving(result: dict) -> List[str]:
-    return [f"{r['system']} at {r['rate']} req/s: {r['num_finished']}/{r['num_requests']} finished "
-            f"{r.get('errors')}" for r in result["runs"] if r["num_finished"] != r["num_requests"]]
-
-
-def main(config: ServingConfig, out_dir, plot: bool = True) -> dict:
-    """Run, print the table, write serving.json and serving.png under `out_dir`."""
-    from .plots import plot_serving
-    from .report import run_and_report
-
-    return run_and_report("serving", lambda: run_serving(config), check_serving, serving_table,
-                          plot_serving if plot else None, out_dir)
+SPEC = BenchmarkSpec("serving", ServingConfig, run_serving, check_serving, serving_table, "plot_serving", SIZES,
+                     documented_size="anchor", uses_scratch_dir=True)

@@ -16,7 +16,7 @@ from paged_backend import LLMEngine, SamplingParams
 
 from .accounting import StepObserver
 from .engine_runs import build_engine, leaked_blocks, load_bench_model, release, set_threads
-from .report import conditions, format_table, percent
+from .report import BenchmarkSpec, conditions, format_table, percent
 from .translation import few_shot_prefix
 from .workloads import MAX_TOTAL_TOKENS, Trace, make_trace
 
@@ -232,10 +232,7 @@ def check_sharing(result: dict) -> List[str]:
     return problems
 
 
-def main(config: SharingConfig, out_dir, plot: bool = True) -> dict:
-    """Run, print the table, write sharing.json and sharing.png under `out_dir`."""
-    from .plots import plot_sharing
-    from .report import run_and_report
-
-    return run_and_report("sharing", lambda: run_sharing(config), check_sharing, sharing_table,
-                          plot_sharing if plot else None, out_dir)
+# The documented record runs on 2 torch threads (both cores of the reference machine), not a guess from the load.
+SIZES = {"quick": QUICK, "full": {"threads": 2}}
+SPEC = BenchmarkSpec("sharing", SharingConfig, run_sharing, check_sharing, sharing_table, "plot_sharing",
+                     SIZES, documented_size="full")

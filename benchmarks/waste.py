@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace, set_threads
-from .report import conditions, format_table, percent
+from .report import BenchmarkSpec, conditions, format_table, percent
 from .workloads import make_trace
 
 # Read off the paper's Figure 2 (OPT-13B on an A100-40GB, ShareGPT, shares of KV memory in %).
@@ -29,6 +29,8 @@ class WasteConfig:
     model: str = "tiny-llama"
     workload: str = "sharegpt"
     num_requests: int = 1000
+    max_prompt_len: Optional[int] = None
+    max_output_len: Optional[int] = None
     kv_slots: int = 16384
     block_size: int = 16
     systems: Tuple[str, ...] = ("paged", "oracle", "pow2", "max")
@@ -40,7 +42,9 @@ class WasteConfig:
     extra: Dict[str, str] = field(default_factory=dict)
 
 
-QUICK = {"num_requests": 24, "kv_slots": 8192, "allocators": ("first-fit",)}
+# Outputs capped so a smoke test takes seconds (the Max baseline still reserves the whole 2048-token context);
+# blocks of 4 because these short sequences would leave a 16-slot block's unfilled tail a visible share.
+QUICK = {"num_requests": 12, "max_output_len": 128, "kv_slots": 8192, "block_size": 4, "allocators": ("first-fit",)}
 # The paper's Figure 13a (OPT-13B, ShareGPT): vLLM batches 2.2x the requests of Orca (Oracle), 4.3x Orca (Max).
 PAPER_BATCH_NOTE = "paper Fig. 13a: vLLM batches 2.2x the requests of Orca (Oracle) and 4.3x those of Orca (Max)"
 
@@ -60,7 +64,8 @@ def run_waste(config: WasteConfig) -> dict:
     """Run every system over the same trace and budget; returns the JSON-ready result."""
     threads = set_threads(config.threads)
     model, tokenizer = load_bench_model(config.model)
-    trace = make_trace(config.workload, tokenizer, config.num_requests, config.seed)
+    trace = make_trace(config.workload, tokenizer, config.num_requests, config.seed, config.max_prompt_len,
+                       config.max_output_len)
     rows = []
     for system, allocator in _runs(config):
         engine = build_engine(model, tokenizer, system, config.kv_slots, config.block_size,
@@ -122,10 +127,7 @@ def check_waste(result: dict) -> List[str]:
     return problems
 
 
-def main(config: WasteConfig, out_dir, plot: bool = True) -> dict:
-    """Run, print the table, write waste.json and waste.png under `out_dir`."""
-    from .plots import plot_waste
-    from .report import run_and_report
-
-    return run_and_report("waste", lambda: run_waste(config), check_waste, waste_table,
-                          plot_waste if plot else None, out_dir)
+# The documented record fixes 1 thread (the dry runner runs no model) rather than a guess from the load.
+SIZES = {"quick": QUICK, "full": {"threads": 1}}
+SPEC = BenchmarkSpec("waste", WasteConfig, run_waste, check_waste, waste_table, "plot_waste",
+                     SIZES, documented_size="full")

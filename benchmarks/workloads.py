@@ -56,7 +56,7 @@ class Trace:
                 "num_requests": n, "mean_prompt_len": sum(prompts) / n if n else 0.0,
                 "mean_output_len": sum(outputs) / n if n else 0.0,
                 "max_prompt_len": max(prompts, default=0), "max_output_len": max(outputs, default=0),
-                "total_output_tokens": sum(outputs)}
+                "total_prompt_tokens": sum(prompts), "total_output_tokens": sum(outputs)}
 
 
 def iter_json_array(stream, chunk_size: int = _CHUNK) -> Iterator[object]:
@@ -134,10 +134,21 @@ def keep_request(prompt_len: int, output_len: int) -> bool:
             and prompt_len + output_len <= MAX_TOTAL_TOKENS)
 
 
-def sharegpt_trace(tokenizer, num_requests: int, seed: int = 0, batch: int = 64) -> Trace:
-    """`num_requests` ShareGPT requests drawn in a seeded random order, filtered as vLLM does."""
+def _check_cap(name: str, cap: Optional[int]) -> None:
+    if cap is not None and (not isinstance(cap, int) or cap < MIN_TOKENS):
+        raise ValueError(f"{name} must be None or an integer >= {MIN_TOKENS}, got {cap!r}")
+
+
+def sharegpt_trace(tokenizer, num_requests: int, seed: int = 0, batch: int = 64,
+                   max_prompt_len: Optional[int] = None, max_output_len: Optional[int] = None) -> Trace:
+    """`num_requests` ShareGPT requests drawn in a seeded random order, filtered as vLLM does.
+
+    With caps, each prompt is cut to its first `max_prompt_len` tokens and each output length to at most
+    `max_output_len` before the filter, so a capped trace keeps ShareGPT's shape below the caps."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    _check_cap("max_prompt_len", max_prompt_len)
+    _check_cap("max_output_len", max_output_len)
     pairs = sharegpt_exchanges()
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
@@ -147,12 +158,24 @@ def sharegpt_trace(tokenizer, num_requests: int, seed: int = 0, batch: int = 64)
         prompts = _encode(tokenizer, [p for p, _ in chosen])
         answers = _encode(tokenizer, [a for _, a in chosen])
         for prompt, answer in zip(prompts, answers):
-            if keep_request(len(prompt), len(answer)):
-                requests.append(TraceRequest(tuple(prompt), len(answer)))
+            prompt = prompt[:max_prompt_len] if max_prompt_len else prompt
+            output_len = min(len(answer), max_output_len) if max_output_len else len(answer)
+            if keep_request(len(prompt), output_len):
+                requests.append(TraceRequest(tuple(prompt), output_len))
                 if len(requests) == num_requests:
-                    return Trace("sharegpt", requests, False,
-                                 f"ShareGPT_V3 first human turn + answer, vLLM filter, seed {seed}")
+                    return Trace("sharegpt", requests, False, _sharegpt_description(seed, max_prompt_len,
+                                                                                    max_output_len))
     raise ValueError(f"only {len(requests)} ShareGPT requests pass the filter; asked for {num_requests}")
+
+
+def _sharegpt_description(seed: int, max_prompt_len: Optional[int], max_output_len: Optional[int]) -> str:
+    caps = []
+    if max_prompt_len:
+        caps.append(f"prompts cut to {max_prompt_len} tokens")
+    if max_output_len:
+        caps.append(f"outputs capped at {max_output_len} tokens")
+    return (f"ShareGPT_V3 first human turn + answer, {', '.join(caps) + ', ' if caps else ''}"
+            f"vLLM filter, seed {seed}")
 
 
 def _lognormal_lengths(rng: random.Random, n: int, mean: float, sigma: float, low: int, high: int) -> List[int]:
@@ -180,10 +203,14 @@ def alpaca_like_trace(tokenizer, num_requests: int, seed: int = 0) -> Trace:
                  "SYNTHETIC: lognormal lengths with Alpaca's means; prompts are truncated ShareGPT questions")
 
 
-def make_trace(name: str, tokenizer, num_requests: int, seed: int = 0) -> Trace:
-    """A trace by name: "sharegpt" or "alpaca" (synthetic)."""
+def make_trace(name: str, tokenizer, num_requests: int, seed: int = 0, max_prompt_len: Optional[int] = None,
+               max_output_len: Optional[int] = None) -> Trace:
+    """A trace by name: "sharegpt" (optionally capped) or "alpaca" (synthetic, never capped)."""
     if name == "sharegpt":
-        return sharegpt_trace(tokenizer, num_requests, seed)
+        return sharegpt_trace(tokenizer, num_requests, seed, max_prompt_len=max_prompt_len,
+                              max_output_len=max_output_len)
     if name in ("alpaca", "alpaca-like"):
+        if max_prompt_len or max_output_len:
+            raise ValueError("length caps apply to the sharegpt workload only")
         return alpaca_like_trace(tokenizer, num_requests, seed)
     raise ValueError(f"unknown workload {name!r}; use 'sharegpt' or 'alpaca'")

@@ -240,6 +240,7 @@ def test_disconnect_aborts_and_frees_blocks(http_server, http):
 
 
 def test_metrics_exposes_the_engine(http):
+    assert http.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
     m = metrics(http)
     for name in ("kv_cache_usage", "kv_token_utilization", "kv_blocks_free", "num_requests_running",
                  "num_requests_waiting", "num_requests_swapped", "num_preemptions_total",
@@ -249,6 +250,28 @@ def test_metrics_exposes_the_engine(http):
         assert "paged_backend:" + name in m, name
     assert m["paged_backend:time_to_first_token_seconds_count"] > 0
     assert m["paged_backend:kv_blocks_total"] == HTTP_NUM_BLOCKS
+
+
+def test_metrics_under_vllm_names_follow_the_same_values(http):
+    """vLLM's names (with vLLM's model_name label) beside ours, so vLLM dashboards work unchanged."""
+    before = wait_idle(http)
+    r = http.post("/v1/completions", json={"prompt": "Count me", "max_tokens": 3, "n": 2, "temperature": 1.0})
+    assert r.status_code == 200
+    m = wait_idle(http)
+    label = "{model_name=tiny-llama}"
+    same = {"num_requests_running": "num_requests_running", "num_requests_waiting": "num_requests_waiting",
+            "gpu_cache_usage_perc": "kv_cache_usage", "kv_cache_usage_perc": "kv_cache_usage",
+            "prompt_tokens_total": "prompt_tokens_total", "generation_tokens_total": "generation_tokens_total",
+            "num_preemptions_total": "num_preemptions_total",
+            "time_to_first_token_seconds_count": "time_to_first_token_seconds_count",
+            "e2e_request_latency_seconds_count": "e2e_request_latency_seconds_count"}
+    for vllm_name, ours in same.items():
+        assert m[f"vllm:{vllm_name}{label}"] == m[f"paged_backend:{ours}"], vllm_name
+    grew = lambda name: m[name] - before.get(name, 0.0)  # noqa: E731
+    assert grew(f"vllm:request_generation_tokens_sum{label}") == 6
+    assert grew(f"vllm:request_params_n_sum{label}") == 2
+    assert grew("vllm:request_success_total{finished_reason=length,model_name=tiny-llama}") == 1
+    assert m["vllm:time_per_output_token_seconds_count" + label] > 0
 
 
 def test_tokenize(http, http_reference):

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple, Union
 import torch
 
 from .engine import LLMEngine, PromptType
-from .errors import EngineDeadError
+from .errors import EngineClosedError, EngineDeadError
 from .metrics import EngineStats
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -55,19 +55,47 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """The context limit in tokens (prompt and output together)."""
+        return self.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Text prompts longer than this are refused without tokenizing (`LLMEngine.max_prompt_chars`)."""
+        return self.engine.max_prompt_chars
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
     def get_stats(self) -> EngineStats:
         """The statistics as of the last step (safe to call while a step runs)."""
         return self._stats
 
     def validate(self, prompt: PromptType, params: SamplingParams) -> List[int]:
-        """Token ids of a prompt, or a ValueError for input the engine would refuse."""
+        """Token ids of a prompt, or an `InvalidRequest` for input the engine would refuse (see
+        `LLMEngine.validate_request`; safe to call from any thread)."""
         return self.engine.validate_request(prompt, params)
+
+    def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
+        """How many new tokens a prompt can still get (`LLMEngine.max_new_tokens`)."""
+        return self.engine.max_new_tokens(prompt_len, num_branches)
+
+    def fit_max_tokens(self, prompt_len: int, params: SamplingParams, default: Optional[int] = None,
+                       param: str = "max_tokens") -> SamplingParams:
+        """`params` with max_tokens settled and checked (`LLMEngine.fit_max_tokens`)."""
+        return self.engine.fit_max_tokens(prompt_len, params, default, param)
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step it takes part in; the last one is finished."""
         if self._closed:
-            raise RuntimeError("the engine is shut down")
+            raise EngineClosedError("the engine is shut down")
         if self.errored is not None:
             raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
         params = SamplingParams() if params is None else params

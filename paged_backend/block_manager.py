@@ -143,6 +143,14 @@ class BlockManager:
 
     def num_blocks_to_append(self, seqs: Iterable[Sequence]) -> int:
         """Free blocks that `append_slots` over these running sequences takes, exactly."""
+        seqs = list(seqs)
+        if len(seqs) == 1:  # the common case, without the bookkeeping of several writers
+            seq = seqs[0]
+            table, refs = self.block_tables[seq.seq_id], self.device.ref_counts
+            needed = self.blocks_for(len(seq))
+            copies = sum(1 for i in range(seq.num_computed_tokens // self.block_size, min(len(table), needed))
+                         if refs[table[i]] > 1)
+            return copies + max(0, needed - len(table))
         return self._append_cost(seqs, self.block_tables, lambda block: self.device.ref_counts[block])
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
@@ -220,18 +228,20 @@ class BlockManager:
         self._num_registered[child.seq_id] = registered
         self._num_released[child.seq_id] = released
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, will_recompute: bool = False) -> None:
         """Release a sequence's blocks (device or host); a no-op for a sequence without blocks.
 
         Tail first: cached blocks park in LRU order, so eviction takes a prefix chain from its end and
-        the chain's head, which every later block's hash goes through, stays reachable longest."""
+        the chain's head, which every later block's hash goes through, stays reachable longest. The blocks
+        of a sequence preempted by recomputation (`will_recompute`) are evicted after all others: it will
+        find them in the cache when it is readmitted and recompute only what was lost."""
         self._num_registered.pop(seq.seq_id, None)
         self._num_released.pop(seq.seq_id, None)
         table = self.block_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):
                 if block != HOLE:
-                    self.device.free(block)
+                    self.device.free(block, keep_cached=will_recompute)
         table = self.swapped_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):
@@ -320,4 +330,17 @@ class BlockManager:
 
     def num_held_blocks(self, seq: Sequence) -> int:
         """Device blocks the sequence holds (its table without the holes)."""
-        return sum(1 for block in self.block_tables.get(seq.seq_id, ()) if block != HOLE)
+        return len(self.block_tables.get(seq.seq_id, ())) - self._num_released.get(seq.seq_id, 0)
+
+    def kv_usage(self, seqs: Iterable[Sequence]) -> Tuple[int, int]:
+        """`token_slot_usage` of every running sequence in O(sequences): the device blocks in use are exactly
+        the running tables' blocks, all full but each table's last one (shared last blocks counted once)."""
+        bs = self.block_size
+        last_fill: Dict[int, int] = {}
+        for seq in seqs:
+            table = self.block_tables.get(seq.seq_id)
+            if table:
+                fill = min(bs, max(0, len(seq) - (len(table) - 1) * bs))
+                last_fill[table[-1]] = max(fill, last_fill.get(table[-1], 0))
+        slots = (self.num_blocks - self.get_num_free_blocks()) * bs
+        return slots - sum(bs - fill for fill in last_fill.values()), slots

@@ -47,15 +47,24 @@ class CacheConfig:
     kv_cache_memory: Optional[Union[int, str]] = None
     num_swap_blocks: Optional[int] = None
     swap_space: Optional[Union[int, str]] = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True   # as in vLLM v1: shared prefixes, and cheap recomputation
     watermark: float = 0.01
+    # vLLM's meaning: the share of the device's total memory this engine may use, weights included; the KV
+    # cache gets what the weights leave of it
+    gpu_memory_utilization: Optional[float] = None
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
-        if self.num_blocks is not None and self.kv_cache_memory is not None:
-            raise ValueError("give either num_blocks or kv_cache_memory, not both")
+        given = [name for name in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+                 if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give either num_blocks or kv_cache_memory or gpu_memory_utilization, not "
+                             f"{' and '.join(given)}")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if self.num_swap_blocks is not None and self.swap_space is not None:
             raise ValueError("give either num_swap_blocks or swap_space, not both")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
@@ -118,6 +127,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -125,6 +135,9 @@ class EngineConfig:
         parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
         values: dict = {name: {} for name in parts}
         seed = kwargs.pop("seed", 0)
+        max_logprobs = kwargs.pop("max_logprobs", 20)
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
         for key, value in kwargs.items():
             owner = next((name for name, part in parts.items() if key in part.__dataclass_fields__), None)
             if owner is None:
@@ -132,10 +145,10 @@ class EngineConfig:
             values[owner][key] = value
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
-        return cls(**{name: parts[name](**values[name]) for name in parts}, seed=seed)
+        return cls(**{name: parts[name](**values[name]) for name in parts}, seed=seed, max_logprobs=max_logprobs)
 
 
 ENGINE_OPTION_NAMES = tuple(
     sorted(set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
-           | set(ParallelConfig.__dataclass_fields__) | {"seed"})
+           | set(ParallelConfig.__dataclass_fields__) | {"seed", "max_logprobs"})
 )

@@ -7,11 +7,15 @@ from typing import List, Optional
 
 from .sequence import Sequence
 
-_CONTEXT_TOKENS = 5  # tokens decoded before the new ones, so that merges and spaces come out right
+_CONTEXT_TOKENS = 5   # tokens decoded before the new ones, so that merges and spaces come out right
+_WINDOW_TOKENS = 16   # the decoded window grows to this many tokens before it slides forward
 
 
 def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool) -> str:
-    """Append the text of the sequence's newest tokens to `seq.output_text`; returns the new piece."""
+    """Append the text of the sequence's newest tokens to `seq.output_text`; returns the new piece.
+
+    One decode per call: the text of the window's tokens already emitted is kept from the previous call,
+    and the window (context, then everything since) slides forward only every few tokens."""
     if tokenizer is None:
         return ""
     ids = seq.token_ids
@@ -19,14 +23,19 @@ def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool) -> str:
         seq.detok_started = True
         seq.detok_read_offset = seq.prompt_len
         seq.detok_prefix_offset = max(seq.prompt_len - _CONTEXT_TOKENS, 0)
-    prefix = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
-                              skip_special_tokens=skip_special_tokens)
+        seq.detok_prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
+                                                 skip_special_tokens=skip_special_tokens)
+    prefix = seq.detok_prefix_text
     full = tokenizer.decode(ids[seq.detok_prefix_offset:], skip_special_tokens=skip_special_tokens)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""  # an incomplete UTF-8 character or a token with no text: wait for more
     delta = full[len(prefix):]
-    seq.detok_prefix_offset = seq.detok_read_offset
     seq.detok_read_offset = len(ids)
+    seq.detok_prefix_text = full
+    if seq.detok_read_offset - seq.detok_prefix_offset > _WINDOW_TOKENS:
+        seq.detok_prefix_offset = seq.detok_read_offset - _CONTEXT_TOKENS
+        seq.detok_prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
+                                                 skip_special_tokens=skip_special_tokens)
     seq.output_text += delta
     return delta
 

@@ -14,7 +14,7 @@ from .block_manager import BlockManager
 from .cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
 from .config import EngineConfig
 from .detokenizer import cut_at_stop, decode_new_text, find_stop_string, stop_string_in_candidate
-from .errors import EngineDeadError
+from .errors import CannotFit, EngineDeadError, InvalidParameter, InvalidRequest, PromptTooLong
 from .input_builder import prepare_inputs
 from .loader import check_module_dtype
 from .metrics import Counters, EngineStats
@@ -23,13 +23,15 @@ from .model_support import check_model_supported, uniform_window
 from .output_builder import OutputBuilder
 from .outputs import RequestOutput
 from .sampler import SampleRequest, SampleResult, Sampler
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .structured_compiler import compiler_for
 from .structured_matcher import GrammarState, accept_grammar
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .sizing import KVCacheSize, size_kv_cache
 from .step_inputs import Runner
+from .streaming import DeltaTracker
+from .token_constraints import constraint_processors, with_constraints
 
 PromptType = Union[str, List[int]]
 logger = logging.getLogger(__name__)
@@ -51,6 +53,12 @@ def _sample_generator(seed: int, index: int) -> torch.Generator:
         return torch.Generator(device="cpu").manual_seed(seed)
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little"))
+
+
+def _module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _max_model_len(model) -> int:
@@ -84,8 +92,9 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.geometry: KVGeometry = kv_geometry(self.model.config)
         cache = self.config.cache
-        self.kv_size: KVCacheSize = size_kv_cache(cache, self.geometry, self.dtype, self.device,
-                                                  self.config.parallel.tensor_parallel_size)
+        tp = self.config.parallel.tensor_parallel_size
+        self.kv_size: KVCacheSize = size_kv_cache(cache, self.geometry, self.dtype, self.device, tp,
+                                                  model_bytes=_module_bytes(self.model) // tp)
         self.sliding_window = uniform_window(self.model)  # every layer windowed: blocks behind it are released
         self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
                                           cache.watermark, cache.enable_prefix_caching, self.sliding_window)
@@ -96,6 +105,9 @@ class LLMEngine:
         self.counters = Counters()
         self.outputs = OutputBuilder(self.tokenizer, self._stop_ids)
         self.errored: Optional[EngineDeadError] = None  # set when the engine cannot run another step
+        self._deltas: Dict[str, DeltaTracker] = {}       # requests that want delta / final-only outputs
+        self._token_step: Dict[str, int] = {}            # request -> step of its last generated token
+        self._max_prompt_chars: Optional[int] = None
 
     # ---- construction ------------------------------------------------------------------------
     @staticmethod
@@ -130,56 +142,135 @@ class LLMEngine:
         return ModelRunner(self.model, cache)
 
     # ---- requests ----------------------------------------------------------------------------
-    def encode(self, prompt: PromptType) -> List[int]:
-        """Token ids of a prompt given as text or ids, validated."""
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters above which a text prompt cannot fit the context, whatever its tokens: no token spells
+        more characters than the longest one in the vocabulary (four times that bound for tokenizers that
+        normalize text, which may shorten it). Longer prompts are refused without tokenizing them."""
+        if self._max_prompt_chars is None:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            normalizes = backend is None or getattr(backend, "normalizer", None) is not None
+            self._max_prompt_chars = self.max_model_len * max(longest, 1) * (4 if normalizes else 1)
+        return self._max_prompt_chars
+
+    def encode(self, prompt: PromptType, truncate: Optional[int] = None) -> List[int]:
+        """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompts as token ids")
+                raise InvalidRequest("this engine has no tokenizer: pass prompts as token ids", param="prompt")
             if prompt == "":
-                raise ValueError("prompt is empty")
+                raise InvalidRequest("prompt is empty", param="prompt")
+            if truncate is None and len(prompt) > self.max_prompt_chars:
+                raise PromptTooLong(f"prompt has {len(prompt)} characters, more than any prompt that fits the "
+                                    f"model's context of {self.max_model_len} tokens can have "
+                                    f"({self.max_prompt_chars})", param="prompt")
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                 param="prompt")
         if not ids:
-            raise ValueError("prompt is empty (no tokens)")
+            raise InvalidRequest("prompt is empty (no tokens)", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        return ids
+            raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                                 param="prompt")
+        return ids[-truncate:] if truncate is not None else ids
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
-        """Token ids of a prompt, or a ValueError naming why the engine would refuse the request.
+        """Token ids of a prompt (truncated as `params.truncate_prompt_tokens` says), or an `InvalidRequest`
+        saying why the engine would refuse the request (`PromptTooLong`, `CannotFit`, `InvalidParameter`).
         Reads only configuration, so it is safe to call while a step runs in another thread."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.encode(prompt)
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}", param="params")
+        ids = self.encode(prompt, params.truncate_prompt_tokens)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
-                             f"and at least one must remain for output")
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to match the text; this engine has none "
-                             "(use stop_token_ids)")
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
+                                f"and at least one must remain for output", param="prompt")
+        self._check_params(params)
         if params.num_branches > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"the request runs {params.num_branches} sequences at once (best_of / beam_width) "
-                             f"but max_num_seqs is {self.config.scheduler.max_num_seqs}")
+            raise CannotFit(f"the request runs {params.num_branches} sequences at once (best_of / beam_width) "
+                            f"but max_num_seqs is {self.config.scheduler.max_num_seqs}",
+                            param="beam_width" if params.use_beam_search else "best_of")
         bm = self.block_manager
         needed = bm.blocks_for(len(ids) + 1)
         if needed > bm.num_blocks - bm.watermark_blocks:
-            raise ValueError(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
-                             f"{bm.num_blocks} blocks of {bm.block_size} tokens")
-        self._grammar(params)  # an invalid schema, regex or grammar is this request's ValueError
+            raise CannotFit(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
+                            f"{bm.num_blocks} blocks of {bm.block_size} tokens", param="prompt")
+        self._grammar(params)  # an invalid schema, regex or grammar is this request's InvalidParameter
         return ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the vocabulary, the tokenizer and engine limits."""
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidParameter("stop strings need a tokenizer to match the text; this engine has none "
+                                   "(use stop_token_ids)", param="stop")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidParameter(f"stop_token_ids has token ids outside the vocabulary [0, {self.vocab_size}): "
+                                   f"{bad[:5]}", param="stop_token_ids")
+        limit = self.config.max_logprobs
+        if params.logprobs is not None and params.logprobs > limit:
+            raise InvalidParameter(f"logprobs={params.logprobs} is more than this engine returns (max_logprobs="
+                                   f"{limit})", param="logprobs")
+        constraint_processors(params, self.tokenizer, self.vocab_size)  # raises for ids outside the vocabulary
 
     def _grammar(self, params: SamplingParams) -> Optional[GrammarState]:
         """A fresh matcher state for the request's structured-output constraint (compiled once, cached)."""
         if params.structured_outputs is None:
             return None
         if self.tokenizer is None:
-            raise ValueError("structured outputs need a tokenizer; this engine has none")
+            raise InvalidParameter("structured outputs need a tokenizer; this engine has none",
+                                   param="structured_outputs")
         compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return GrammarState(compiler.compile(params.structured_outputs))
+        try:
+            return GrammarState(compiler.compile(params.structured_outputs))
+        except InvalidParameter:
+            raise
+        except ValueError as exc:
+            raise InvalidParameter(str(exc), param="structured_outputs") from None
+
+    # ---- how many tokens a request may generate ------------------------------------------------
+    def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
+        """How many new tokens each of `num_branches` sequences can still get after a prompt of `prompt_len`
+        tokens: the room left in the context, and in the KV cache when the request runs alone (its full prompt
+        blocks are shared; each sequence needs its own blocks after them; a model windowed on every layer
+        releases the blocks behind its window). 0 or less: none."""
+        bm = self.block_manager
+        context_room = self.max_model_len - prompt_len
+        if self.sliding_window is not None:  # a windowed sequence holds ceil(W / block) + 1 blocks at most
+            held = -(-self.sliding_window // bm.block_size) + 1
+            if held * max(num_branches, 1) <= bm.num_blocks:
+                return context_room
+        shared = prompt_len // bm.block_size
+        per_branch = (bm.num_blocks - shared) // max(num_branches, 1)
+        kv_room = (shared + per_branch) * bm.block_size - prompt_len
+        return min(context_room, kv_room)
+
+    def fit_max_tokens(self, prompt_len: int, params: SamplingParams, default: Optional[int] = None,
+                       param: str = "max_tokens") -> SamplingParams:
+        """`params` with `max_tokens` settled for a prompt of `prompt_len` tokens: its own value, else
+        `default`, else all that fits; refused with `PromptTooLong` when it exceeds the context and with
+        `CannotFit` when the request could not hold it in the KV cache even running alone. `param` is the
+        name the caller's API gives max_tokens (for the error)."""
+        wanted = params.max_tokens if params.max_tokens is not None else default
+        room = self.max_new_tokens(prompt_len, params.num_branches)
+        if wanted is None:
+            if room < 1:
+                raise PromptTooLong(f"no room is left for new tokens after {prompt_len} prompt tokens "
+                                    f"(context length {self.max_model_len})", param="prompt")
+            wanted = room
+        if prompt_len + wanted > self.max_model_len:
+            raise PromptTooLong(f"the prompt has {prompt_len} tokens and `{param}` is {wanted}: together they must "
+                                f"be <= {self.max_model_len}, the model's context length", param=param)
+        if wanted > room:
+            bm = self.block_manager
+            raise CannotFit(f"the prompt ({prompt_len} tokens) and `{param}`={wanted} for {params.num_branches} "
+                            f"sequence(s) do not fit in the KV cache ({bm.num_blocks} blocks of {bm.block_size} "
+                            f"tokens); at most {max(room, 0)} new tokens fit", param=param)
+        return params if params.max_tokens == wanted else params.replace(max_tokens=wanted)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -188,8 +279,9 @@ class LLMEngine:
         if self.errored is not None:
             raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         ids = self.validate_request(prompt, params)
+        params = with_constraints(params, self.tokenizer, self.vocab_size) or params
         group = SequenceGroup(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                               arrival_time, self.eos_token_ids)
         if params.seed is not None:
@@ -201,6 +293,8 @@ class LLMEngine:
                 params.early_stopping, self._stop_ids(params), record_scores=params.output_scores,
                 stop_check=self._beam_stop_check(params))
         self.groups[request_id] = group
+        if params.output_kind != RequestOutputKind.CUMULATIVE:
+            self._deltas[request_id] = DeltaTracker(params)
         self.scheduler.add(group)
 
     def _max_length(self, group: SequenceGroup) -> int:
@@ -276,8 +370,22 @@ class LLMEngine:
             if group.request_id in seen or group.request_id not in self.groups:
                 continue
             seen.add(group.request_id)
-            outputs.append(self._finalize(group) if group.is_finished() else self.outputs.build(group))
+            output = self._finalize(group) if group.is_finished() else self._report(self.outputs.build(group))
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _report(self, output: RequestOutput) -> Optional[RequestOutput]:
+        """The output as the request asked for it (`output_kind`): cumulative, a delta, or only the final one;
+        None when there is nothing to report."""
+        tracker = self._deltas.get(output.request_id)
+        if tracker is None:
+            return output
+        if output.finished:
+            del self._deltas[output.request_id]
+        elif tracker.params.output_kind == RequestOutputKind.FINAL_ONLY:
+            return None
+        return tracker.update(output) if tracker.params.output_kind == RequestOutputKind.DELTA else output
 
     # ---- failures ----------------------------------------------------------------------------
     def _fail_group(self, group: SequenceGroup, error: str) -> None:
@@ -319,7 +427,10 @@ class LLMEngine:
                 samplers.append(item)
             if item.num_tokens > 1 or seq.num_computed_tokens < seq.prompt_len:
                 self.counters.num_prompt_tokens += item.num_tokens
-            seq.num_computed_tokens += item.num_tokens
+            end = seq.num_computed_tokens + item.num_tokens
+            self.counters.num_recomputed_tokens += max(0, min(end, seq.max_computed_tokens) - seq.num_computed_tokens)
+            seq.max_computed_tokens = max(seq.max_computed_tokens, end)
+            seq.num_computed_tokens = end
             self.block_manager.mark_computed(seq)
             self.block_manager.release_out_of_window(seq)
             if item.group.metrics.first_scheduled_time is None:
@@ -385,9 +496,13 @@ class LLMEngine:
 
     def _note_token(self, group: SequenceGroup) -> None:
         now = time.monotonic()
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
-        group.metrics.last_token_time = now
+        metrics = group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        elif self._token_step.get(group.request_id) != self.counters.num_steps:  # once per step and request
+            self.counters.observe("time_per_output_token_seconds", now - metrics.last_token_time)
+        self._token_step[group.request_id] = self.counters.num_steps
+        metrics.last_token_time = now
         self.counters.num_generated_tokens += 1
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, new_text: str) -> None:
@@ -471,22 +586,41 @@ class LLMEngine:
 
     # ---- outputs -----------------------------------------------------------------------------
     def _finalize(self, group: SequenceGroup) -> RequestOutput:
-        """The last output of a finished, aborted or failed request; forgets it."""
+        """The last output of a finished, aborted or failed request (as its output_kind asks); forgets it."""
         group.metrics.finished_time = time.monotonic()
         self.groups.pop(group.request_id, None)
+        self._token_step.pop(group.request_id, None)
+        output = self.outputs.build(group, final=True)
+        aborted = any(seq.status == SequenceStatus.FINISHED_ABORTED for seq in group.seqs)
         if group.error is not None:
             self.counters.num_requests_failed += 1
+            self.counters.finish_reasons["error"] += 1
         else:
             self.counters.num_requests_finished += 1
-            if any(seq.status == SequenceStatus.FINISHED_ABORTED for seq in group.seqs):
-                self.counters.num_requests_aborted += 1
-        return self.outputs.build(group, final=True)
+            self.counters.num_requests_aborted += aborted
+            reason = "abort" if aborted else (output.outputs[0].finish_reason if output.outputs else "abort")
+            self.counters.finish_reasons[reason if reason in self.counters.finish_reasons else "stop"] += 1
+            self._observe_request(group, output)
+        return self._report(output)
+
+    def _observe_request(self, group: SequenceGroup, output: RequestOutput) -> None:
+        """Per-request histograms of a request that ended without an error."""
+        m, observe = group.metrics, self.counters.observe
+        if m.first_token_time is not None:
+            observe("time_to_first_token_seconds", max(m.first_token_time - m.arrival_time, 0.0))
+        if m.first_scheduled_time is not None:
+            observe("request_queue_time_seconds", max(m.first_scheduled_time - m.arrival_time, 0.0))
+        observe("e2e_request_latency_seconds", max(m.finished_time - m.arrival_time, 0.0))
+        observe("request_prompt_tokens", len(group.prompt_token_ids))
+        observe("request_generation_tokens", sum(len(c.token_ids) for c in output.outputs))
+        observe("request_params_n", group.sampling_params.n)
+        observe("request_params_best_of", group.sampling_params.num_branches)
 
     # ---- statistics --------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         running_seqs = [s for g in sch.running for s in g.unfinished_seqs()]
-        filled, slots = bm.token_slot_usage(running_seqs)
+        filled, slots = bm.kv_usage(running_seqs)
         max_blocks_per_seq = max((bm.num_held_blocks(s) for s in running_seqs), default=0)
         cache = bm.prefix_cache
         return EngineStats(
@@ -503,10 +637,14 @@ class LLMEngine:
             num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
             peak_used_blocks=self.counters.peak_used_blocks, max_blocks_per_seq=max_blocks_per_seq,
             num_prompt_tokens=self.counters.num_prompt_tokens,
+            num_recomputed_tokens=self.counters.num_recomputed_tokens,
             num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,
             num_requests_failed=self.counters.num_requests_failed,
-            num_requests_aborted=self.counters.num_requests_aborted)
+            num_requests_aborted=self.counters.num_requests_aborted,
+            swap_usage=1.0 - bm.get_num_free_swap_blocks() / bm.num_swap_blocks if bm.num_swap_blocks else 0.0,
+            finish_reasons=dict(self.counters.finish_reasons),
+            histograms=self.counters.histogram_snapshots())
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""

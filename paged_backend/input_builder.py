@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+import numpy as np
 import torch
 
 from .scheduler import ScheduledSeq
@@ -28,9 +29,7 @@ def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, Li
         tables.append(block_tables[seq.seq_id])
         if item.samples:
             sample_rows.append(len(tokens) - 1)
-    width = max((len(t) for t in tables), default=0)
-    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    table_tensor = table_tensor.reshape(len(tables), width).clamp_(min=0)  # holes (-1): any valid block
+    table_tensor = _pad_tables(tables)
     lens = torch.tensor(chunk_lens, dtype=torch.long)
     ends = lens.cumsum(0)
     row_seq = torch.repeat_interleave(torch.arange(len(tables)), lens)            # sequence of each token
@@ -46,3 +45,14 @@ def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, Li
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32),
         sample_indices=torch.tensor(sample_rows, dtype=torch.long),
     )
+
+
+def _pad_tables(tables: List[List[int]]) -> torch.Tensor:
+    """The block tables as one int32 `[num_seqs, longest]` tensor; padding and holes (-1) become block 0,
+    which the kernels never read for those positions (a numpy row copy per table: no per-block Python)."""
+    width = max((len(t) for t in tables), default=0)
+    padded = np.zeros((len(tables), width), dtype=np.int32)
+    for row, table in enumerate(tables):
+        padded[row, :len(table)] = table
+    np.maximum(padded, 0, out=padded)
+    return torch.from_numpy(padded)

@@ -1,9 +1,86 @@
-"""Engine statistics: a snapshot dataclass and the counters behind it."""
+"""Engine statistics: a snapshot dataclass, the counters behind it, and per-request histograms.
+
+The engine observes request latencies and sizes itself (when a request ends, and once per step for the
+time between tokens), so every front exports the same values: see `metrics_table.py` for the names.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Dict
+import bisect
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Deque, Dict, Tuple
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 5e6
+_COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+
+# histogram name -> bucket upper bounds (+Inf is implied)
+HISTOGRAM_BUCKETS: Dict[str, Tuple[float, ...]] = {
+    "time_to_first_token_seconds": _LATENCY_BUCKETS,
+    "time_per_output_token_seconds": _LATENCY_BUCKETS,
+    "e2e_request_latency_seconds": _LATENCY_BUCKETS,
+    "request_queue_time_seconds": _LATENCY_BUCKETS,
+    "request_prompt_tokens": _TOKEN_BUCKETS,
+    "request_generation_tokens": _TOKEN_BUCKETS,
+    "request_params_n": _COUNT_BUCKETS,
+    "request_params_best_of": _COUNT_BUCKETS,
+}
+FINISH_REASONS = ("stop", "length", "abort", "error")
+RECENT_VALUES = 4096  # observations each snapshot keeps, for exporters that can only `observe` (Triton)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """Counts per bucket (not cumulative; the last one is +Inf), their sum and count, and the most recent
+    observed values (oldest first, at most RECENT_VALUES) so that an exporter can replay new ones."""
+
+    buckets: Tuple[float, ...]
+    counts: Tuple[int, ...]
+    sum: float
+    count: int
+    recent: Tuple[float, ...] = ()
+
+    def cumulative(self) -> Tuple[Tuple[str, int], ...]:
+        """(upper bound, observations <= it) pairs, Prometheus style, ending with "+Inf"."""
+        pairs, total = [], 0
+        for bound, n in zip(tuple(map(str, self.buckets)) + ("+Inf",), self.counts):
+            total += n
+            pairs.append((bound, total))
+        return tuple(pairs)
+
+    def new_values(self, seen: int) -> Tuple[float, ...]:
+        """The values observed after the first `seen` ones (as many as are still kept)."""
+        missing = self.count - seen
+        if missing <= 0:
+            return ()
+        return self.recent[-missing:]
+
+
+class Histogram:
+    """A histogram the engine observes into."""
+
+    def __init__(self, buckets: Tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+        self.recent: Deque[float] = deque(maxlen=RECENT_VALUES)
+        self._snapshot = None
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+        self.recent.append(value)
+        self._snapshot = None
+
+    def snapshot(self) -> HistogramSnapshot:
+        if self._snapshot is None:
+            self._snapshot = HistogramSnapshot(self.buckets, tuple(self.counts), self.sum, self.count,
+                                               tuple(self.recent))
+        return self._snapshot
 
 
 @dataclass
@@ -31,11 +108,17 @@ class EngineStats:
     peak_used_blocks: int           # most device blocks held at once since the engine started
     max_blocks_per_seq: int         # most device blocks one running sequence holds now
     num_prompt_tokens: int          # tokens run through the model as prefill
+    num_recomputed_tokens: int      # of those: tokens computed again after a preemption by recomputation
     num_generated_tokens: int
     num_steps: int
     num_requests_finished: int      # ended without an error (aborted ones included)
     num_requests_failed: int        # ended with an error
     num_requests_aborted: int       # of the finished: aborted by the caller
+    swap_usage: float = 0.0         # used host (swap) blocks / all host blocks
+    # requests that ended, by finish reason ("stop", "length", "abort", "error")
+    finish_reasons: Dict[str, int] = field(default_factory=dict)
+    # per-request histograms (HISTOGRAM_BUCKETS)
+    histograms: Dict[str, HistogramSnapshot] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, float]:
         return asdict(self)
@@ -46,9 +129,19 @@ class Counters:
     """Running totals the engine updates every step."""
 
     num_prompt_tokens: int = 0
+    num_recomputed_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
     num_requests_finished: int = 0
     num_requests_failed: int = 0
     num_requests_aborted: int = 0
     peak_used_blocks: int = 0
+    finish_reasons: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    histograms: Dict[str, Histogram] = field(
+        default_factory=lambda: {name: Histogram(b) for name, b in HISTOGRAM_BUCKETS.items()})
+
+    def observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value)
+
+    def histogram_snapshots(self) -> Dict[str, HistogramSnapshot]:
+        return {name: h.snapshot() for name, h in self.histograms.items()}

@@ -91,7 +91,7 @@ def apply_temperature(logits: torch.Tensor, requests: List[SampleRequest]) -> to
     return logits
 
 
-def truncation_params(requests: List[SampleRequest], device) -> tuple:
+def truncation_params(requests: List[SampleRequest]) -> tuple:
     """Per row: top_k (-1: none), top_p, min_p and whether the row is greedy, as tensors."""
     top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
     top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float64)
@@ -122,7 +122,7 @@ class Sampler:
         scores = apply_penalties(raw.clone() if keep_raw else raw, requests, self._masker_for(logits, requests))
         scores = apply_temperature(scores, requests)
         uniforms, offsets = self._uniforms(requests)
-        draws = kernels.sample_rows(scores, *truncation_params(requests, scores.device), uniforms, offsets)
+        draws = kernels.sample_rows(scores, *truncation_params(requests), uniforms, offsets)
         tokens, token_lps = draws.tokens.tolist(), draws.logprobs.tolist()
         results = []
         for i, req in enumerate(requests):

@@ -206,7 +206,7 @@ class Scheduler:
             self.num_swap_preemptions += 1
         else:
             for seq in group.active_seqs():
-                bm.free(seq)
+                bm.free(seq, will_recompute=True)
                 seq.num_computed_tokens = 0
             group.set_status(SequenceStatus.WAITING)
             unfinished = group.unfinished_seqs()
@@ -252,14 +252,15 @@ class Scheduler:
 
     def _schedule_tokens(self, groups: List[SequenceGroup], out: SchedulerOutput, budget: _Budget) -> None:
         """Decode tokens first (one per sequence), then prefill chunks, within the token budget."""
-        decoding = [g for g in groups if all(not s.is_prefill for s in self._to_compute(g))]
-        prefilling = [g for g in groups if g not in decoding]
-        for group in decoding:
+        prefilling = []
+        for group in groups:
             seqs = self._to_compute(group)
+            if any(s.is_prefill for s in seqs):
+                prefilling.append(group)
+                continue
             if len(seqs) > budget.tokens:
                 continue  # cannot happen while the token budget covers max_num_seqs; never starve the rest
-            for seq in seqs:
-                out.scheduled.append(ScheduledSeq(group, seq, 1))
+            out.scheduled.extend(ScheduledSeq(group, seq, 1) for seq in seqs)
             budget.tokens -= len(seqs)
         for group in prefilling:
             self._schedule_chunks(group, out, budget)

@@ -40,6 +40,7 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: List[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: List[Dict[int, float]] = []
@@ -48,6 +49,7 @@ class Sequence:
         self.output_text = ""
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
+        self.detok_prefix_text = ""  # text of token_ids[detok_prefix_offset:detok_read_offset]
         self.detok_started = False
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []

@@ -1,11 +1,17 @@
-"""The benchmarks' building blocks (trace reader, contiguous allocators, reservation manager) and a
-`--quick` run of each benchmark through the CLI, checking the invariants of its results."""
+"""The benchmarks' building blocks (trace reader, contiguous allocators, reservation manager, interleaved
+repetitions, provenance, guidellm scenarios, the docs generator) and a `--quick` run of each benchmark through
+the CLI, checking directions of its results that do not depend on timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import os
 import random
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +19,17 @@ import torch
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.benchmarks.contiguous import BuddyArena, FirstFitArena
+from paged_backend.benchmarks.docgen import render
+from paged_backend.benchmarks.guidellm_run import GuidellmLoad, scenario
+from paged_backend.benchmarks.provenance import GitState, dirty_refusal, git_state
+from paged_backend.benchmarks.repeat import format_spread, interleaved_order, paired_ratio, run_interleaved, spread
+from paged_backend.benchmarks.server_process import CpuSampler
+from paged_backend.benchmarks.serving_systems import paged_system, transformers_system
 from paged_backend.benchmarks.reservation import install_reservation, reservation_tokens
 from paged_backend.benchmarks.workloads import (ALPACA_MEAN_OUTPUT, ALPACA_MEAN_PROMPT, alpaca_like_trace,
-                                                iter_json_array, keep_request, sharegpt_trace)
+                                                iter_json_array, keep_request, make_trace, sharegpt_trace)
 from paged_backend.cli import main as cli_main
+from paged_backend.metrics import EngineStats
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +53,20 @@ def test_sharegpt_trace_is_filtered_seeded_and_real(tokenizer):
     assert sharegpt_trace(tokenizer, 50, seed=3).requests == trace.requests
     assert sharegpt_trace(tokenizer, 50, seed=4).requests != trace.requests
     assert not keep_request(3, 100) and not keep_request(1025, 4) and not keep_request(1000, 1049)
+
+
+def test_capped_sharegpt_trace_cuts_prompts_and_outputs_at_the_caps(tokenizer):
+    trace = sharegpt_trace(tokenizer, 40, seed=0, max_prompt_len=64, max_output_len=32)
+    prompts = [r.prompt_len for r in trace.requests]
+    outputs = [r.output_len for r in trace.requests]
+    assert len(trace.requests) == 40 and max(prompts) == 64 and max(outputs) == 32
+    assert min(prompts) >= 4 and min(outputs) >= 4 and min(prompts) < 64  # short prompts stay as they are
+    assert "cut to 64" in trace.description and "capped at 32" in trace.description
+    assert sharegpt_trace(tokenizer, 40, seed=0, max_prompt_len=64, max_output_len=32).requests == trace.requests
+    with pytest.raises(ValueError, match="max_output_len"):
+        sharegpt_trace(tokenizer, 4, max_output_len=2)
+    with pytest.raises(ValueError, match="sharegpt workload only"):
+        make_trace("alpaca", tokenizer, 4, max_prompt_len=64)
 
 
 def test_alpaca_like_trace_is_labelled_synthetic_with_the_papers_means(tokenizer):
@@ -145,6 +172,92 @@ def test_reservation_engine_refuses_what_it_cannot_reserve_and_frees_everything(
     engine.abort_request("x")
 
 
+# ---- interleaved repetitions, provenance, guidellm scenarios, CPU sampling -------------------------
+def test_rounds_interleave_the_systems_and_ratios_pair_within_a_round():
+    assert interleaved_order(["a", "b", "c"], 2) == [(0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]
+    speeds = {("a", 0): 10.0, ("b", 0): 5.0, ("a", 1): 4.0, ("b", 1): 4.0, ("a", 2): 9.0, ("b", 2): 3.0}
+    rows = run_interleaved(["a", "b"], 3, lambda system, rep: {"tps": speeds[(system, rep)]})
+    assert [(r["repetition"], r["system"], r["position"]) for r in rows] == [
+        (0, "a", 0), (0, "b", 1), (1, "a", 2), (1, "b", 3), (2, "a", 4), (2, "b", 5)]
+    assert spread([r["tps"] for r in rows if r["system"] == "a"]) == {"median": 9.0, "min": 4.0, "max": 10.0,
+                                                                      "values": [10.0, 4.0, 9.0]}
+    # paired by round: ratios 2, 1, 3 -> median 2 (the ratio of the medians would be 9 / 4)
+    assert paired_ratio(rows, "a", "b", "tps") == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [2.0, 1.0, 3.0]}
+    assert spread([1.0, None]) is None and format_spread(None) == "-"
+    with pytest.raises(ValueError, match="repetitions"):
+        interleaved_order(["a"], 0)
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_git_state_sees_uncommitted_changes_and_a_dirty_tree_is_refused(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.txt").write_text("one")
+    _git(tmp_path, "add", "a.txt")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    clean = git_state(tmp_path)
+    assert len(clean.commit) == 40 and clean.dirty is False and dirty_refusal(clean) is None
+    (tmp_path / "a.txt").write_text("two")
+    (tmp_path / "new.txt").write_text("untracked")
+    dirty = git_state(tmp_path)
+    assert dirty.commit == clean.commit and dirty.dirty and sorted(dirty.changed) == ["a.txt", "new.txt"]
+    assert "--allow-dirty" in dirty_refusal(dirty)
+    assert "not in a git checkout" in dirty_refusal(git_state(tmp_path / "missing"))
+
+
+def test_documented_runs_refuse_options_and_dirty_trees(monkeypatch, capsys):
+    import paged_backend.benchmarks.cli as bench_cli
+
+    assert cli_main(["bench", "throughput", "--documented", "--quick"]) == 2
+    assert "drop --quick" in capsys.readouterr().err
+    assert cli_main(["bench", "throughput", "--documented", "--repetitions", "5"]) == 2
+    assert "drop --repetitions" in capsys.readouterr().err
+    monkeypatch.setattr(bench_cli, "git_state", lambda: GitState("f" * 40, "main", True, ["benchmarks/x.py"]))
+    assert cli_main(["bench", "waste", "--documented"]) == 2
+    assert "refusing to write a documented record" in capsys.readouterr().err
+    assert cli_main(["bench", "waste", "--quick", "--allow-dirty"]) == 2
+    assert "only applies to --documented" in capsys.readouterr().err
+
+
+def test_guidellm_scenario_has_one_benchmark_per_concurrency(tmp_path):
+    load = GuidellmLoad((1, 4, 16), (8, 8, 32), prompt_tokens=128, output_tokens=64, seed=3)
+    s = scenario("http://127.0.0.1:9", "m", "/models/m", {"ignore_eos": True}, load, tmp_path / "r.json")
+    assert s["benchmarks"] == [{"profile.streams": 1, "constraints[0].count": 8},
+                               {"profile.streams": 4, "constraints[0].count": 8},
+                               {"profile.streams": 16, "constraints[0].count": 32}]
+    spec = s["spec"]
+    assert spec["backend"]["max_tokens"] == 64 and spec["backend"]["extras"] == {"body": {"ignore_eos": True}}
+    assert spec["data"] == [{"kind": "synthetic_text", "prompt_tokens": 128}]  # no output_tokens: no ignore_eos
+    assert spec["seed"]["value"] == 3 and spec["outputs"][0]["path"] == str(tmp_path / "r.json")
+    with pytest.raises(ValueError, match="one request count per concurrency"):
+        scenario("u", "m", "t", {}, GuidellmLoad((1, 2), (8,), 4, 4), tmp_path / "r.json")
+
+
+def test_cpu_sampler_reads_busy_cores_between_samples():
+    sampler = CpuSampler(pid=0)
+    sampler.samples = [(100.0, 10.0), (101.0, 11.5), (103.0, 13.5)]
+    assert sampler.busy_cores(100.5, 102.0) == pytest.approx((12.5 - 10.75) / 1.5)
+    assert sampler.busy_cores(99.0, 101.0) is None  # before the first sample: unknown, not zero
+    with CpuSampler(os.getpid(), interval_s=0.01) as live:
+        end = time.time() + 0.2
+        while time.time() < end:
+            pass  # keep this process busy
+    assert 0.3 < live.busy_cores(live.samples[0][0], live.samples[-1][0]) < 1.5
+
+
+def test_transformers_serve_is_forced_without_ignore_eos():
+    ours = paged_system(Path("/m"), 256, 16, None, "float32")
+    theirs = transformers_system(Path("/m"), 256, 16, 2048, "float32")
+    assert ours.force_length(64) == {"temperature": 0.0, "ignore_eos": True}
+    forced = theirs.force_length(64)
+    assert "ignore_eos" not in forced and json.loads(forced["generation_config"]) == {
+        "do_sample": False, "max_new_tokens": 64, "eos_token_id": -1}
+    assert theirs.argv[theirs.argv.index("--cb-num-blocks") + 1] == "16" and "--continuous-batching" in theirs.argv
+    assert ours.argv[ours.argv.index("--num-blocks") + 1] == "16" and "--max-model-len" not in ours.argv
+
+
 # ---- the quick benchmarks -------------------------------------------------------------------------
 def _bench(name, tmp_path, *extra):
     code = cli_main(["bench", name, "--quick", "--threads", "1", "--results-dir", str(tmp_path), *extra])
@@ -152,6 +265,11 @@ def _bench(name, tmp_path, *extra):
     assert (tmp_path / name / f"{name}.png").stat().st_size > 1000
     assert code == 0, result["problems"]
     assert result["problems"] == []
+    git, machine = result["conditions"]["git"], result["conditions"]["machine"]
+    assert len(git["commit"]) == 40 and isinstance(git["dirty"], bool) and machine["host_cpus"] >= 1
+    assert result["conditions"]["torch_threads"] == 1 and result["size"] == "quick" and not result["documented"]
+    assert "--size quick" in result["command"] and "--threads 1" in result["command"]
+    assert len(machine["load_average_1_5_15"]) == 3 and len(result["conditions"]["load_average_after"]) == 3
     return result
 
 
@@ -171,11 +289,43 @@ def test_quick_waste_benchmark(tmp_path):
 
 def test_quick_throughput_benchmark(tmp_path):
     result = _bench("throughput", tmp_path)
-    systems = {r["system"] for r in result["runs"]}
-    assert systems == {"paged", "oracle", "pow2", "max", "hf-static", "hf-continuous"}
-    for run in result["runs"]:
-        assert run["output_tokens"] == result["trace"]["total_output_tokens"] and run["wrong_lengths"] == 0
-    assert next(r for r in result["runs"] if r["system"] == "paged")["paged_speedup"] == 1.0
+    systems = ["paged", "oracle", "pow2", "max", "hf-static", "hf-continuous"]
+    compact = [r["system"] for r in result["rows"] if r["kind"] == "kv-cache-dtype"]
+    assert result["order"] == [[rep, s] for rep in range(2) for s in systems + compact]  # A, B, C, A, B, C
+    rows = {r["system"]: r for r in result["rows"]}
+    paged = rows["paged"]
+    for system in systems:
+        row = rows[system]
+        assert row["all_finished"] and row["output_tokens"] == result["trace"]["total_output_tokens"]
+        assert len(row["output_tokens_per_s"]["values"]) == 2 and (row["ratio"] is None) == (system == "paged")
+    for policy in ("oracle", "pow2", "max"):  # paging batches at least as many requests in the same memory
+        assert paged["avg_batch"] >= rows[policy]["avg_batch"] and paged["token_states"] > rows[policy]["token_states"]
+    assert paged["avg_batch"] > rows["max"]["avg_batch"]
+    # the quick budget is tight: paging preempts, and the recomputation is reported
+    assert paged["preemptions"] > 0 and paged["extra_prefill_tokens"] > 0
+    if "num_recomputed_tokens" in {f.name for f in dataclasses.fields(EngineStats)}:
+        assert paged["recomputed_tokens"] > 0 and result["missing_stats"] == []
+    else:
+        assert paged["recomputed_tokens"] is None and result["missing_stats"] == ["EngineStats.num_recomputed_tokens"]
+    if compact:  # the engine takes kv_cache_dtype: its rows hold more tokens in the same bytes, apart from the rest
+        assert all(rows[s]["kv_slots"] > paged["kv_slots"] and rows[s]["ratio"] for s in compact)
+    else:
+        assert sorted(result["kv_cache_dtype_skipped"]) == ["bfloat16", "fp8_e4m3"]
+    text, problems = render("<!-- generated: record throughput -->\nSTALE\n<!-- end generated -->\n"
+                            "<!-- generated: table throughput -->\n<!-- end generated -->\n",
+                            {"throughput": result})
+    assert problems == [] and result["conditions"]["git"]["commit"][:12] in text and "STALE" not in text
+    assert "paged (ours)" in text and "all hold" in text
+
+
+def test_docs_blocks_without_a_record_say_so_and_mixed_commits_are_flagged():
+    doc = "a\n<!-- generated: table serving -->\n12.5 tok/s\n<!-- end generated -->\nb\n<!-- generated: nope x -->\n" \
+          "<!-- end generated -->\n"
+    text, problems = render(doc, {})
+    assert "12.5" not in text and "No record of the serving benchmark" in text and text.startswith("a\n")
+    assert problems == ["unknown generated block 'nope' 'x'"]
+    records = {name: {"conditions": {"git": {"commit": c}}} for name, c in (("waste", "a" * 40), ("sharing", "b" * 40))}
+    assert any("different commits" in p for p in render("", records)[1])
 
 
 def test_quick_sharing_benchmark(tmp_path):
@@ -192,12 +342,36 @@ def test_quick_overhead_benchmark(tmp_path):
     result = _bench("overhead", tmp_path)
     for run in result["runs"]:
         assert run["running"] == run["batch"] and 0 < run["outside_forward_share"] < 1
-        assert sum(run["phase_ms"].values()) == pytest.approx(run["step_ms"], rel=1e-6)
+        assert all(calls > 0 for calls in run["phase_calls"].values()), run["phase_calls"]  # every phase is hooked
 
 
 def test_quick_serving_benchmark(tmp_path):
     result = _bench("serving", tmp_path)
-    assert {r["system"] for r in result["runs"]} == {"paged", "oracle"}
-    for run in result["runs"]:
-        assert run["num_finished"] == run["num_requests"] > 0
-        assert run["mean_ttft_s"] > 0 and run["normalized_latency_s_per_token"] > 0
+    config = result["config"]
+    assert result["order"] == [[0, "paged"], [0, "hf-serve"], [0, "oracle"]]
+    assert {r["system"] for r in result["rows"]} == {"paged", "hf-serve", "oracle"}
+    for row in result["rows"]:  # guidellm got every answer, each at the forced length, from all three servers
+        assert row["requests_failed"] == 0 and row["requests_ok"] == max(config["min_requests"],
+                                                                         config["requests_per_stream"] * row["concurrency"])
+        assert row["output_tokens_min"] == row["output_tokens_max"] == config["output_tokens"]
+        assert row["busy_cores"]["median"] > 0 and (row["paged_ratio"] is None) == (row["system"] == "paged")
+    assert all(code in (0, -15) for code in result["server_exit_codes"].values())
+
+
+def test_documented_run_records_beside_the_plot_and_regenerates_the_page(tmp_path, monkeypatch):
+    import paged_backend.benchmarks.cli as bench_cli
+
+    docs = tmp_path / "docs"
+    (docs / "img").mkdir(parents=True)
+    (docs / "benchmarks.md").write_text("# B\n<!-- generated: record overhead -->\n<!-- end generated -->\n"
+                                        "<!-- generated: table overhead -->\n<!-- end generated -->\n")
+    quick_spec = dataclasses.replace(bench_cli.spec_of("overhead"), documented_size="quick")
+    monkeypatch.setattr(bench_cli, "DOCS_DIR", docs)
+    monkeypatch.setattr(bench_cli, "spec_of", lambda name: quick_spec)
+    monkeypatch.setattr(bench_cli, "git_state", lambda: GitState("e" * 40, "main", False, []))
+    assert cli_main(["bench", "overhead", "--documented", "--results-dir", str(tmp_path / "r")]) == 0
+    record = json.loads((docs / "img" / "bench-overhead.json").read_text())
+    assert record["documented"] and record["command"] == "paged-backend bench overhead --documented"
+    assert (docs / "img" / "bench-overhead.png").stat().st_size > 1000
+    page = (docs / "benchmarks.md").read_text()
+    assert "paged-backend bench overhead --documented" in page and "running seqs" in page

@@ -65,6 +65,18 @@ def test_prefix_cache_parks_and_evicts_lru():
     assert cache.lookup(b"a") is None and cache.lookup(b"b") == b
 
 
+def test_blocks_of_preempted_requests_are_evicted_last():
+    cache = PrefixCache()
+    alloc = BlockAllocator(3, prefix_cache=cache)
+    blocks = [alloc.allocate() for _ in range(3)]
+    for i, block in enumerate(blocks):
+        cache.insert(bytes([i]), block)
+    alloc.free(blocks[0], keep_cached=True)   # a request preempted by recomputation: it will be back
+    alloc.free(blocks[1])
+    alloc.free(blocks[2])
+    assert [alloc.allocate() for _ in range(3)] == [blocks[1], blocks[2], blocks[0]]
+
+
 def test_hash_chains_through_prefix():
     h1 = hash_block(None, [1, 2])
     assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
@@ -278,7 +290,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(self.running))
         self.running.remove(group)
         for seq in group.seqs:
-            self.bm.free(seq)
+            self.bm.free(seq, will_recompute=True)
             seq.num_computed_tokens = 0
         if len(group.seqs) > 1:
             group.fork_pending_len = common_prefix_len(group.seqs)
@@ -369,7 +381,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for block in table:
                 holders[block] += 1
         assert holders == pool.ref_counts
-        free = list(pool.free_list) + (list(pool.prefix_cache.evictable) if pool.prefix_cache else [])
+        cache = pool.prefix_cache
+        free = list(pool.free_list) + (list(cache.evictable) + list(cache.evictable_kept) if cache else [])
         assert len(free) == len(set(free)) == pool.get_num_free_blocks()
         assert set(free) == {b for b, c in enumerate(pool.ref_counts) if c == 0}
         assert pool.get_num_free_blocks() + sum(1 for c in pool.ref_counts if c) == pool.num_blocks
@@ -390,6 +403,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 table = self.bm.swapped_tables[seq.seq_id]
                 for pos in range(seq.num_computed_tokens):
                     assert self.host[table[pos // BLOCK]][pos % BLOCK] == seq.token_ids[pos]
+
+    @invariant()
+    def cheap_usage_equals_the_walk(self):
+        seqs = [s for _, s in self._seqs()]
+        assert self.bm.kv_usage(seqs) == self.bm.token_slot_usage(seqs)
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):

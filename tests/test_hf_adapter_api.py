@@ -16,7 +16,7 @@ from transformers import (GenerationConfig, LogitsProcessorList, StoppingCriteri
 from conftest import assert_no_leaks, get_model
 from hf_compare import assert_same_output, hf_generate, left_padded
 from paged_backend.adapters.hf import PagedModelForCausalLM, attach, detach, is_attached
-from paged_backend.adapters.hf_config import resolve_generation_config, sampling_params
+from paged_backend.adapters.hf.generation_config import resolve_generation_config, sampling_params
 
 PAD = 2
 

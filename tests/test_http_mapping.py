@@ -1,5 +1,5 @@
 """The HTTP adapter's mappings without a server process: finish reasons, TGI/OpenAI parameters to
-SamplingParams, streamed text pieces around stop strings, the concurrency cap, the ready banner."""
+SamplingParams through the engine's contract, the concurrency cap, the ready banner."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from conftest import get_model
-from paged_backend import AsyncLLMEngine, CompletionOutput, RequestOutput
+from paged_backend import AsyncLLMEngine, CompletionOutput
 from paged_backend.adapters.http.app import create_app
 from paged_backend.adapters.http.cli import ready_message
 from paged_backend.adapters.http.errors import ValidationFailed
-from paged_backend.adapters.http.generation import OutputTracker, kv_token_limit
-from paged_backend.adapters.http.openai_params import ChatRequest, CompletionRequest, plan_chat, plan_completion
-from paged_backend.adapters.http.tgi import tgi_finish_reason
-from paged_backend.adapters.http.tgi_params import TGIRequest, plan_tgi
+from paged_backend.adapters.http.openai_request import ChatRequest, CompletionRequest, plan_chat, plan_completion
+from paged_backend.adapters.http.tgi_request import TGIRequest, plan_tgi
+from paged_backend.adapters.http.tgi_routes import tgi_finish_reason
 
 
 @pytest.fixture(scope="module")
@@ -44,24 +43,6 @@ def test_tgi_finish_reasons(finish, stop, expected):
     assert tgi_finish_reason(_comp("x", [1], finish, stop)) == expected
 
 
-def test_tracker_holds_back_a_possible_stop_string():
-    tracker = OutputTracker(["Hello"])
-    steps = [("ab He", [5, 6], None), ("ab Hel", [5, 6, 7], None), ("ab ", [5, 6, 7, 8], "stop")]
-    pieces = []
-    for text, ids, finish in steps:
-        out = RequestOutput("r", "p", [1], [_comp(text, ids, finish, "Hello" if finish else None)], finish is not None)
-        pieces += [u.text for u in tracker.update(out)]
-    assert pieces == ["ab ", "", ""] and "".join(pieces) == "ab "
-
-
-def test_tracker_gives_each_token_its_text():
-    tracker = OutputTracker()
-    first = tracker.update(RequestOutput("r", "p", [1], [_comp("Hi", [10])], False))
-    second = tracker.update(RequestOutput("r", "p", [1], [_comp("Hi there", [10, 11], "length")], True))
-    assert [(t.id, t.text) for t in first[0].tokens] == [(10, "Hi")]
-    assert [(t.id, t.text) for t in second[0].tokens] == [(11, " there")] and second[0].finish_reason == "length"
-
-
 def test_tgi_greedy_unless_sampling_or_warpers(ctx):
     greedy = plan_tgi(ctx, TGIRequest(inputs="Hi", parameters={"max_new_tokens": 3}), stream=False)
     assert greedy.params.temperature == 0.0 and greedy.seed is None and greedy.params.max_tokens == 3
@@ -74,24 +55,30 @@ def test_tgi_greedy_unless_sampling_or_warpers(ctx):
     assert p.include_stop_str_in_output and p.stop_strings == ["x"] and (p.top_k, p.top_p, p.seed) == (5, 0.9, 3)
 
 
-def test_default_max_new_tokens_fits_the_kv_cache(ctx):
-    plan = plan_tgi(ctx, TGIRequest(inputs="Hi there"), stream=False)
-    assert plan.params.max_tokens == kv_token_limit(ctx, len(plan.prompt_ids), 1) == 16 * 16 - len(plan.prompt_ids)
-    with pytest.raises(ValidationFailed, match="KV cache"):
+def test_tgi_max_new_tokens_defaults_to_100_and_null_to_all_that_fits(ctx):
+    absent = plan_tgi(ctx, TGIRequest(inputs="Hi there"), stream=False)
+    assert absent.params.max_tokens == 100  # TGI's default
+    assert plan_tgi(ctx, TGIRequest(inputs="Hi there", parameters={}), stream=False).params.max_tokens == 100
+    null = plan_tgi(ctx, TGIRequest(inputs="Hi there", parameters={"max_new_tokens": None}), stream=False)
+    assert null.params.max_tokens == ctx.engine.max_new_tokens(len(null.prompt_ids)) == 16 * 16 - len(null.prompt_ids)
+    with pytest.raises(ValidationFailed, match="KV cache") as info:
         plan_tgi(ctx, TGIRequest(inputs="Hi", parameters={"max_new_tokens": 300}), stream=False)
+    assert info.value.param == "max_new_tokens" and info.value.code == "kv_cache_exceeded"
 
 
 def test_openai_params(ctx):
     plan = plan_completion(ctx, CompletionRequest(prompt=["a", "b"], n=2, temperature=0.7, top_k=0, min_p=0.1,
                                                   stop="x", logprobs=3))
-    p = plan.params
+    p = plan.params[0]
     assert len(plan.prompts) == 2 and p.n == 2 and p.max_tokens == 16 and p.top_k == -1 and p.min_p == 0.1
     assert p.logprobs == 3 and p.stop_strings == ["x"] and not p.include_stop_str_in_output
     beam = plan_completion(ctx, CompletionRequest(prompt="a", n=2, use_beam_search=True, best_of=3))
-    assert beam.params.beam_width == 3 and beam.params.temperature == 0.0
+    assert beam.params[0].beam_width == 3 and beam.params[0].temperature == 0.0
+    with pytest.raises(ValidationFailed, match="use_beam_search needs best_of"):  # as vLLM: no beam of one
+        plan_completion(ctx, CompletionRequest(prompt="a", use_beam_search=True))
     chat = plan_chat(ctx, ChatRequest(messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=2,
                                       max_completion_tokens=5, stream=True, stream_options={"include_usage": True}))
-    assert chat.params.max_tokens == 5 and chat.logprobs == 2 and chat.include_usage
+    assert chat.params[0].max_tokens == 5 and chat.logprobs == 2 and chat.include_usage
     assert ctx.tokenizer.decode(chat.prompts[0]).endswith("<|im_start|>assistant\n")
 
 

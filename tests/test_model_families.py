@@ -111,3 +111,22 @@ def test_beam_search_matches_hf(name, dtype):
             assert abs(completion.beam_score - score) < tolerance
     assert llm.get_stats().num_copy_on_write > 0
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_beam_search_matches_hf_under_preemption_and_chunking(name, mode, dtype):
+    """Beams recomputed (leader first, then forks) or swapped while prompts are prefilled in chunks of 6,
+    with prefix caching on and windowed blocks released: still transformers' hypotheses."""
+    model, tok = get_model(name, dtype)
+    windowed = all(kind.sliding_window is not None for kind in probe_attention(model))
+    llm = LLM(model, tokenizer=tok, num_blocks=8 if windowed else 12, block_size=4, max_num_batched_tokens=6,
+              preemption_mode=mode, num_swap_blocks=64)
+    params = SamplingParams(beam_width=2, n=2, temperature=0, max_tokens=12, length_penalty=1.0)
+    prompts = [PROMPTS[3], PROMPTS[0]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert [c.token_ids for c in out.outputs] == hf_beams(model, tok, prompt, 2, 2, 12)[0], prompt
+    assert_no_leaks(llm.engine)

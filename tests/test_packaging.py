@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["paged_backend", "paged_backend.block", "paged_backend.kernels", "paged_backend.kernels.reference",
-           "paged_backend.adapters.hf", "paged_backend.adapters.http.app", "paged_backend.adapters.triton.repo",
+           "paged_backend.adapters.hf", "paged_backend.adapters.hf.generate", "paged_backend.adapters.http.app",
+           "paged_backend.adapters.triton.repository", "paged_backend.adapters.triton.model_json",
            "paged_backend.benchmarks.cli", "paged_backend.cli"]
 
 
@@ -21,8 +22,9 @@ def test_wheel_contains_and_imports_every_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for path in ("paged_backend/kernels/triton_attention.py", "paged_backend/kernels/cpu_attention.cpp",
                  "paged_backend/kernels/cpu_sampler.cpp", "paged_backend/kernels/cpu_vector.h",
-                 "paged_backend/adapters/http/tgi.py",
-                 "paged_backend/adapters/triton/model.py", "paged_backend/benchmarks/waste.py"):
+                 "paged_backend/adapters/http/tgi_routes.py",
+                 "paged_backend/adapters/triton/model.py", "paged_backend/adapters/hf/runner.py",
+                 "paged_backend/request_params.py", "paged_backend/benchmarks/waste.py"):
         assert path in names
     assert not any(n.startswith(("adapters/", "kernels/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -3,6 +3,7 @@
 import pytest
 
 from paged_backend.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from paged_backend.errors import InvalidParameter
 from paged_backend.sampling_params import SamplingParams
 
 
@@ -12,8 +13,15 @@ from paged_backend.sampling_params import SamplingParams
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
+    (dict(top_k=2 ** 63), "top_k"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(seed=2 ** 64), "seed"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(bad_words=[""]), "bad_words"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(min_p=1.5), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
@@ -33,8 +41,13 @@ from paged_backend.sampling_params import SamplingParams
     (dict(max_tokens=2.5), "max_tokens"),
 ])
 def test_invalid_sampling_params_raise(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidParameter, match=message) as info:
         SamplingParams(**kwargs)
+    assert isinstance(info.value, ValueError) and info.value.param in SamplingParams.__dataclass_fields__
+
+
+def test_top_k_zero_disables_top_k_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k == -1 == SamplingParams().top_k
 
 
 def test_sampling_params_defaults_and_derived_values():
@@ -64,6 +77,13 @@ def test_config_validation():
         CacheConfig(block_size=12)
     with pytest.raises(ValueError, match="either num_blocks or kv_cache_memory"):
         CacheConfig(num_blocks=4, kv_cache_memory="1MiB")
+    with pytest.raises(ValueError, match="either num_blocks or kv_cache_memory or gpu_memory_utilization"):
+        CacheConfig(kv_cache_memory="1MiB", gpu_memory_utilization=0.5)
+    for util in (0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            CacheConfig(gpu_memory_utilization=util)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineConfig.from_kwargs(max_logprobs=-1)
     with pytest.raises(ValueError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="drop")
     with pytest.raises(ValueError, match="unknown engine option 'block_sizes'"):

@@ -80,3 +80,25 @@ def test_evicted_blocks_are_recomputed_correctly():
     assert got == expected + expected[:2]
     assert llm.engine.block_manager.prefix_cache.num_evictions > 0
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True),
+], ids=["greedy", "samples"])
+def test_recomputation_reuses_the_requests_own_cached_blocks(params):
+    """A request preempted by recomputation finds its computed blocks (prompt and generated tokens) in the
+    cache when it comes back and recomputes only what was evicted: fewer recomputed tokens, same output."""
+    _, tok = get_model("tiny-llama")
+    prompts = [tok(f"Request number {i} talks about paged memory and blocks").input_ids for i in range(4)]
+    runs = {}
+    for caching in (False, True):
+        llm = make_llm(caching, num_blocks=22, preemption_mode="recompute")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[caching] = ([[c.token_ids for c in o.outputs] for o in outs], llm.get_stats())
+        assert_no_leaks(llm.engine)
+    (plain, plain_stats), (cached, cached_stats) = runs[False], runs[True]
+    assert cached == plain
+    assert plain_stats.num_recompute_preemptions > 0 and cached_stats.num_recompute_preemptions > 0
+    assert 0 < cached_stats.num_recomputed_tokens < plain_stats.num_recomputed_tokens, (cached_stats, plain_stats)
+    assert cached_stats.num_cached_prefill_tokens > 0

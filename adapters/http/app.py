@@ -1,7 +1,8 @@
 """The FastAPI app: TGI and OpenAI routes over one `AsyncLLMEngine`, /metrics, auth, error shapes.
 
-`create_app(engine, ...)` builds the app; uvicorn (see `cli.py`) serves it. On shutdown the
-lifespan hook aborts whatever is still in flight and frees its KV blocks (`AsyncLLMEngine.shutdown`).
+`create_app(engine, ...)` builds the app; uvicorn (see `cli.py`) serves it. Bodies over `payload_limit`
+bytes get 413; parsing and tokenizing run in worker threads. On shutdown the lifespan hook aborts whatever
+is still in flight and frees its KV blocks (`AsyncLLMEngine.shutdown`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from fastapi.responses import Response
 
 from paged_backend import AsyncLLMEngine
 
-from . import openai_api, tgi
+from . import openai_routes, tgi_routes
 from .auth import APIKeyMiddleware
-from .errors import install_error_handlers
-from .generation import ServerContext
+from .body import DEFAULT_PAYLOAD_LIMIT, BodyLimit
+from .context import ServerContext
+from .errors import APIError, install_error_handlers
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("paged_backend.http")
@@ -29,15 +31,22 @@ def _special_ids(tokenizer) -> frozenset:
     return frozenset(getattr(tokenizer, "all_special_ids", []) or [])
 
 
+def _error_reply(path: str, error: APIError) -> Response:
+    return error.response(path)
+
+
 def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optional[str] = None,
                max_concurrent_requests: int = 512,
-               on_shutdown: Optional[Callable[[AsyncLLMEngine], None]] = None) -> FastAPI:
+               on_shutdown: Optional[Callable[[AsyncLLMEngine], None]] = None,
+               payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
     """A TGI- and OpenAI-compatible app serving `engine` under the name `model_name`."""
     if engine.tokenizer is None:
         raise ValueError("the HTTP server needs an engine with a tokenizer")
     if max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
-    ctx = ServerContext(engine, model_name, ServerMetrics(engine), max_concurrent_requests,
+    if payload_limit < 1:
+        raise ValueError(f"payload_limit must be >= 1 byte, got {payload_limit}")
+    ctx = ServerContext(engine, model_name, ServerMetrics(engine, model_name), max_concurrent_requests,
                         special_ids=_special_ids(engine.tokenizer))
 
     @contextlib.asynccontextmanager
@@ -45,6 +54,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optio
         yield
         logger.info("shutting down: aborting %d request(s) still in flight", ctx.in_flight)
         await engine.shutdown()
+        ctx.close()
         if on_shutdown is not None:
             on_shutdown(engine)
 
@@ -53,8 +63,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optio
     app.state.ctx = ctx
     app.state.started_at = time.time()
     install_error_handlers(app)
-    app.include_router(tgi.router)
-    app.include_router(openai_api.router)
+    app.include_router(tgi_routes.router)
+    app.include_router(openai_routes.router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -62,4 +72,5 @@ def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optio
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimit, limit=payload_limit, error_response=_error_reply)  # outermost: runs first
     return app

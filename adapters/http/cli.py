@@ -19,6 +19,8 @@ from typing import Optional
 
 from paged_backend.cli import add_engine_args, engine_kwargs, format_stats
 
+from .body import DEFAULT_PAYLOAD_LIMIT
+
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="serve a model over TGI- and OpenAI-compatible HTTP routes")
@@ -30,6 +32,8 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in replies (default: MODEL)")
     p.add_argument("--max-concurrent-requests", type=int, default=512,
                    help="requests in flight before new ones get 429")
+    p.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT,
+                   help=f"largest request body in bytes; larger ones get 413 (default {DEFAULT_PAYLOAD_LIMIT}, as TGI)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -109,6 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
     maybe_run_worker_loop()
     if args.max_concurrent_requests < 1:
         raise ValueError("--max-concurrent-requests must be >= 1")
+    if args.payload_limit < 1:
+        raise ValueError("--payload-limit must be >= 1")
     try:
         sock = _bind(args.host, args.port)
     except OSError as exc:
@@ -121,7 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
         def report(eng: AsyncLLMEngine) -> None:
             print(f"paged-backend: shut down. {format_stats(eng.get_stats())}", flush=True)
 
-        app = create_app(engine, name, args.api_key, args.max_concurrent_requests, on_shutdown=report)
+        app = create_app(engine, name, args.api_key, args.max_concurrent_requests, on_shutdown=report,
+                         payload_limit=args.payload_limit)
         # uvicorn's own timeout is only a backstop: _serve aborts what is left after --shutdown-timeout
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 30,
                                 access_log=args.log_level == "debug")

@@ -8,11 +8,13 @@ routes under `/v1` speak OpenAI, everything else speaks TGI.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Mapping, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paged_backend.errors import CannotFit, InvalidRequest, PromptTooLong, UnsupportedParameter
 
 logger = logging.getLogger("paged_backend.http")
 
@@ -60,6 +62,29 @@ class ValidationFailed(APIError):
         super().__init__(422, message, "validation", param, code, openai_status=400)
 
 
+def refusal(exc: InvalidRequest, names: Optional[Mapping[str, str]] = None) -> ValidationFailed:
+    """The engine's typed refusal in the API's terms: `names` maps the engine's parameter names to the API's
+    (e.g. TGI's `max_new_tokens` for `max_tokens`)."""
+    param = (names or {}).get(exc.param, exc.param) if exc.param else None
+    if isinstance(exc, PromptTooLong):
+        code = "context_length_exceeded"
+    elif isinstance(exc, CannotFit):
+        code = "kv_cache_exceeded"
+    elif isinstance(exc, UnsupportedParameter):
+        code = "unsupported_parameter"
+    else:
+        code = "invalid_value"
+    return ValidationFailed(str(exc), param=param, code=code)
+
+
+class PayloadTooLarge(APIError):
+    """The request body is larger than the server's limit (`--payload-limit`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the server's limit of {limit} bytes",
+                         "validation", code="payload_too_large", openai_status=413)
+
+
 class GenerationFailed(APIError):
     """The engine gave up on a request it had accepted (TGI's 424 "generation", OpenAI 500)."""
 
@@ -86,10 +111,11 @@ class ClientDisconnected(Exception):
 
 
 _TGI_TYPES = {400: "validation", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-              422: "validation", 424: "generation", 429: "overloaded", 500: "internal", 503: "unavailable"}
+              413: "validation", 422: "validation", 424: "generation", 429: "overloaded", 500: "internal",
+              503: "unavailable"}
 _OPENAI_KIND = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 422: "invalid_request_error", 424: "server_error",
-                429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                424: "server_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
 _OPENAI_TYPES = set(_OPENAI_KIND.values())
 
 

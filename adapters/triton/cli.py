@@ -1,4 +1,5 @@
-"""`paged-backend triton-repo` (write a model repository) and `paged-backend triton-serve` (run Triton on one)."""
+"""`paged-backend triton-repo` (write a model repository), `paged-backend triton-backend` (install the
+Python-based backend into a Triton backends folder) and `paged-backend triton-serve` (run Triton)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from paged_backend.cli import add_engine_args
 
 
 def add_parser(subparsers, name: str) -> None:
-    """Register `triton-repo` or `triton-serve` (the name says which)."""
-    if name == "triton-repo":
+    """Register `triton-repo`, `triton-backend` or `triton-serve` (the name says which)."""
+    if name == "triton-backend":
+        p = subparsers.add_parser(name, help="install paged-backend's Python-based backend into a Triton backends "
+                                             "folder (beside its python/ backend)")
+        p.add_argument("backends_dir", help="Triton's --backend-directory, e.g. /opt/tritonserver/backends")
+        p.set_defaults(func=run_backend)
+    elif name == "triton-repo":
         p = subparsers.add_parser(name, help="write a Triton model repository serving a model with paged-backend")
         p.add_argument("out_dir", help="model repository folder (created if missing)")
         _add_model_args(p)
@@ -41,6 +47,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="preset name or local Hugging Face model directory")
     p.add_argument("--name", default="paged_llm", help="model name in the repository (the URL's NAME)")
     p.add_argument("--no-custom-metrics", action="store_true", help="do not report the engine's metrics")
+    p.add_argument("--layout", choices=("backend", "python"), default="backend",
+                   help="backend: config.pbtxt names the paged_backend backend, as for Triton's vLLM backend "
+                        "(default); python: a Python-backend model with its own 1/model.py")
+    p.add_argument("--instance-count", type=int, default=1, help="model instances (they share the device's memory)")
+    p.add_argument("--kind", choices=("KIND_CPU", "KIND_GPU", "KIND_MODEL"), default="KIND_CPU",
+                   help="instance kind: KIND_GPU runs each instance on its own GPU")
     add_engine_args(p)
 
 
@@ -61,13 +73,27 @@ def _write(args: argparse.Namespace, out_dir: Path) -> Path:
     from .repo import write_model_repository
 
     return write_model_repository(out_dir, args.name, model_options(args),
-                                  report_metrics=not args.no_custom_metrics)
+                                  report_metrics=not args.no_custom_metrics, layout=args.layout,
+                                  instance_count=args.instance_count, kind=args.kind)
 
 
 def run_repo(args: argparse.Namespace) -> int:
     model_dir = _write(args, Path(args.out_dir))
-    print(f"wrote {model_dir}/config.pbtxt, {model_dir}/1/model.py, {model_dir}/1/model.json")
+    files = ", ".join(str(p) for p in sorted(model_dir.rglob("*")) if p.is_file())
+    print(f"wrote {files}")
+    if args.layout == "backend":
+        print("the server needs the paged_backend backend: paged-backend triton-backend <its backends folder> "
+              "(triton-serve installs it itself)")
     print(f"serve it with: paged-backend triton-serve --model-repository {Path(args.out_dir)}")
+    return 0
+
+
+def run_backend(args: argparse.Namespace) -> int:
+    from .repository import install_backend
+
+    folder = install_backend(Path(args.backends_dir))
+    print(f"installed {folder}/model.py; Triton loads it for models with backend: \"paged_backend\" "
+          f"(the Python backend must be in {Path(args.backends_dir) / 'python'})")
     return 0
 
 

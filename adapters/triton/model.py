@@ -1,15 +1,22 @@
-"""`TritonPythonModel`: Triton's Python-backend entry point, serving paged-backend's `AsyncLLMEngine`.
+"""`TritonPythonModel`: the Triton model serving paged-backend's `AsyncLLMEngine`, loaded either as the
+Python-based backend `paged_backend` (`backend: "paged_backend"` in config.pbtxt, as Triton's vLLM backend
+is loaded) or from a model's own `1/model.py`.
 
-Decoupled: `execute` parses each request and hands it to the engine service, then returns None;
-responses (one per step when streaming, else one) go through the request's response sender, the last
-flagged `TRITONSERVER_RESPONSE_COMPLETE_FINAL`. Bad input gets an error response for that request only.
-The engine options come from `model.json` in the model's version folder. Importable only inside
-Triton's stub, where `triton_python_backend_utils` exists.
+Decoupled: `execute` parses each request and hands it to the engine service, then returns None; responses
+(one per engine step when streaming, else one) go through the request's response sender, the last flagged
+`TRITONSERVER_RESPONSE_COMPLETE_FINAL`. Bad input gets an error response for that request only. The engine
+arguments come from `model.json` (vLLM's names); the instance's kind and device id choose its device. An
+engine that cannot continue makes the model unload itself (Triton then reports it not ready; this needs
+`--model-control-mode=explicit`, as the vLLM backend's health check does) and answers UNAVAILABLE.
+Importable only inside Triton's stub, where `triton_python_backend_utils` exists.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -20,13 +27,14 @@ import triton_python_backend_utils as pb_utils
 
 from paged_backend import AsyncLLMEngine
 
-from .metrics import TritonEngineMetrics, create_metrics
-from .options import load_model_options
-from .params import FLAG_INPUTS, parse_generate_request
-from .repo import input_configs, output_configs
-from .service import INTERNAL, INVALID_ARG, EngineService, RequestError
+from .custom_metrics import TritonEngineMetrics, create_metrics
+from .engine_loop import INTERNAL, INVALID_ARG, UNAVAILABLE, EngineService, RequestError
+from .model_json import load_model_options
+from .placement import engine_kwargs, place
+from .repository import input_configs, output_configs
+from .request_inputs import FLAG_INPUTS, REFUSED_INPUTS, parse_generate_request
 
-INPUT_NAMES = ("text_input", "sampling_parameters") + FLAG_INPUTS
+INPUT_NAMES = ("text_input", "sampling_parameters") + FLAG_INPUTS + tuple(REFUSED_INPUTS)
 
 
 def _triton_error(error: RequestError):
@@ -51,8 +59,17 @@ class TritonRequestHandle:
         self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
 
+def _use_environment_python() -> None:
+    """Inside the stub `sys.executable` is not a Python interpreter; tensor-parallel workers are started
+    with it, so point it at the environment's python (first on PATH, as the server's set-up arranges)."""
+    if not Path(sys.executable).name.startswith("python"):
+        found = shutil.which("python3") or shutil.which("python")
+        if found:
+            sys.executable = found
+
+
 class TritonPythonModel:
-    """The model Triton loads from `1/model.py` of a repository written by `paged-backend triton-repo`."""
+    """The model Triton loads for a repository written by `paged-backend triton-repo` (or by hand)."""
 
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
@@ -76,34 +93,74 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.metrics: Optional[TritonEngineMetrics] = None
         self.service: Optional[EngineService] = None
+        self._unloading = False
         try:
             self._initialize(args)
         except Exception as exc:
             self.logger.log_error(f"[paged_backend] failed to load model {self.name!r}: {exc}")
             raise
 
+    def _version_dir(self, args: Dict[str, str]) -> Path:
+        get_model_dir = getattr(pb_utils, "get_model_dir", None)
+        if get_model_dir is not None:
+            return Path(get_model_dir())
+        return Path(args["model_repository"]) / args["model_version"]
+
     def _initialize(self, args: Dict[str, str]) -> None:
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise ValueError("paged_backend models must use the decoupled transaction policy "
                              "(model_transaction_policy { decoupled: true } in config.pbtxt)")
-        version_dir = Path(args["model_repository"]) / args["model_version"]
-        options = load_model_options(version_dir)
-        self.logger.log_info(f"[paged_backend] loading {options.model!r} ({options.dtype}, {options.device}) "
-                             f"with engine options {options.engine}")
-        engine = AsyncLLMEngine(options.model, **options.engine_kwargs())
-        if self._config_flag("REPORT_CUSTOM_METRICS", default=True):
+        options = load_model_options(self._version_dir(args))
+        placement = place(options, args.get("model_instance_kind", "CPU"),
+                          int(args.get("model_instance_device_id", 0) or 0), self.model_config)
+        if options.ignored:
+            self.logger.log_info(f"[paged_backend] model.json options with no meaning for this engine, ignored: "
+                                 f"{', '.join(sorted(options.ignored))}")
+        kwargs = engine_kwargs(options, placement)
+        self.logger.log_info(f"[paged_backend] loading {options.model!r} on {placement.device} (dtype "
+                             f"{options.dtype}, {placement.sharing} instance(s) on this device) with engine "
+                             f"options {kwargs}")
+        _use_environment_python()
+        tokenizer = None
+        if options.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(options.tokenizer, local_files_only=True,
+                                                      trust_remote_code=options.trust_remote_code)
+        engine = AsyncLLMEngine(options.model, tokenizer=tokenizer, **kwargs)
+        # vLLM's rule: custom metrics when config.pbtxt asks for them and model.json does not disable stats
+        if self._config_flag("REPORT_CUSTOM_METRICS", default=False) and not options.disable_log_stats:
             self.metrics = create_metrics(pb_utils, {"model": self.name, "version": args["model_version"]},
                                           self.logger)
         self.service = EngineService(engine, self.logger,
-                                     on_stats=self.metrics.update if self.metrics is not None else None).start()
+                                     on_stats=self.metrics.update if self.metrics is not None else None,
+                                     on_dead=self._unload).start()
         stats = engine.get_stats()
         self.logger.log_info(f"[paged_backend] model {self.name!r} ready: {stats.num_blocks} KV blocks of "
                              f"{stats.block_size} tokens, {stats.num_swap_blocks} swap blocks, "
-                             f"context {engine.engine.max_model_len} tokens, {torch.get_num_threads()} torch threads")
+                             f"context {engine.max_model_len} tokens, dtype {engine.dtype}, "
+                             f"{torch.get_num_threads()} torch threads")
 
     def _config_flag(self, key: str, default: bool) -> bool:
         value = self.model_config.get("parameters", {}).get(key, {}).get("string_value")
         return default if value is None else value.strip().lower() == "true"
+
+    def _unload(self, reason: BaseException) -> None:
+        """The engine cannot continue: ask Triton to unload this model, so that it reports it not ready
+        (works in explicit model-control mode; otherwise the model stays loaded and answers UNAVAILABLE)."""
+        if self._unloading:
+            return
+        self._unloading = True
+        self.logger.log_error(f"[paged_backend] the engine of model {self.name!r} cannot continue ({reason}); "
+                              f"unloading the model")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.name)
+            except Exception as exc:  # noqa: BLE001 - e.g. not in explicit model-control mode
+                self.logger.log_error(f"[paged_backend] could not unload model {self.name!r}: {exc}")
+
+        threading.Thread(target=unload, name="paged-triton-unload", daemon=True).start()
 
     @staticmethod
     def _inputs(request) -> Dict[str, Any]:
@@ -122,6 +179,12 @@ class TritonPythonModel:
         """Hand every request to the engine; all responses are sent later through its sender."""
         for request in requests:
             handle = TritonRequestHandle(request)
+            dead = self.service.engine_dead()
+            if dead is not None:
+                self.service.send(handle, None, RequestError(f"the model is unavailable: the engine cannot "
+                                                             f"continue: {dead}", UNAVAILABLE), True)
+                self._unload(dead)
+                continue
             try:
                 parsed = parse_generate_request(self._inputs(request), self._parameters(request))
             except ValueError as exc:

@@ -20,19 +20,23 @@ def hash_block(prev_hash: Optional[bytes], token_ids: Sequence[int]) -> bytes:
 
 
 class PrefixCache:
-    """hash -> physical block for computed full blocks, with an LRU list of blocks nobody holds."""
+    """hash -> physical block for computed full blocks, with LRU lists of blocks nobody holds.
+
+    Blocks of a request preempted by recomputation are parked in a second list that is evicted only
+    after the first is empty: that request will come back for them, so they are the most useful."""
 
     def __init__(self) -> None:
         self.hash_to_block: Dict[bytes, int] = {}
         self.block_to_hash: Dict[int, bytes] = {}
         self.evictable: "OrderedDict[int, None]" = OrderedDict()
+        self.evictable_kept: "OrderedDict[int, None]" = OrderedDict()  # of preempted requests: evicted last
         self.num_queries = 0
         self.num_hits = 0
         self.num_evictions = 0
 
     @property
     def num_evictable(self) -> int:
-        return len(self.evictable)
+        return len(self.evictable) + len(self.evictable_kept)
 
     def lookup(self, block_hash: bytes) -> Optional[int]:
         """The cached block for a hash, counting the query for the hit rate."""
@@ -50,23 +54,25 @@ class PrefixCache:
         self.block_to_hash[block] = block_hash
         return True
 
-    def park(self, block: int) -> bool:
-        """A cached block lost its last holder: keep it (most recently used last) instead of freeing it."""
+    def park(self, block: int, keep: bool = False) -> bool:
+        """A cached block lost its last holder: keep it (most recently used last) instead of freeing it;
+        `keep` parks it among the blocks evicted last."""
         if block not in self.block_to_hash:
             return False
-        self.evictable[block] = None
+        (self.evictable_kept if keep else self.evictable)[block] = None
         return True
 
     def revive(self, block: int) -> bool:
         """A parked block gets a holder again."""
-        if block not in self.evictable:
-            return False
-        del self.evictable[block]
-        return True
+        for parked in (self.evictable, self.evictable_kept):
+            if block in parked:
+                del parked[block]
+                return True
+        return False
 
     def evict(self) -> int:
-        """Drop the least recently used parked block from the cache and hand it out."""
-        block, _ = self.evictable.popitem(last=False)
+        """Drop the least recently used parked block from the cache (preempted requests' blocks last)."""
+        block, _ = (self.evictable or self.evictable_kept).popitem(last=False)
         del self.hash_to_block[self.block_to_hash.pop(block)]
         self.num_evictions += 1
         return block

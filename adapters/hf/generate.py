@@ -1,0 +1,134 @@
+"""One `generate` / `generate_stream` call of an attached model: refuse what the engine cannot reproduce,
+resolve the arguments as transformers does, and run the prompt rows through the engine."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+
+from .attachment import Attachment, attachment_of
+from .generation_config import (UNSUPPORTED_GENERATE_ARGS, ResolvedConfig, check_supported, prepare_lengths,
+                                resolve_generation_config, sampling_params, special_tokens)
+from .outputs import UNMATCHED_ROWS_WARNING, OutputOptions
+from .prompts import prepare_prompts
+from .runner import BeamRun, Plan, SamplingRun
+from .streaming import GenerationStream
+
+_SUPPORTED_MODES = ("greedy_search", "sample", "beam_search")
+
+
+# ---- one call ----------------------------------------------------------------------------------------
+def _refuse_unsupported_arguments(kwargs: Dict[str, Any], logits_processor, stopping_criteria) -> None:
+    given = [name for name in UNSUPPORTED_GENERATE_ARGS
+             if kwargs.get(name) is not None and not (name == "synced_gpus" and kwargs[name] is False)]
+    if given:
+        raise ValueError(f"the paged backend does not support these generate arguments: {', '.join(given)}")
+    for name in UNSUPPORTED_GENERATE_ARGS:
+        kwargs.pop(name, None)
+    if logits_processor is not None and len(logits_processor) > 0:
+        raise ValueError("custom logits_processor is not supported by the paged backend: its sampler runs "
+                         "batched inside the engine; use the equivalent generate arguments instead")
+    if stopping_criteria is not None:
+        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+        for criterion in stopping_criteria:
+            if isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
+                raise ValueError(f"pass max_length / max_new_tokens / eos_token_id instead of a "
+                                 f"{type(criterion).__name__} in stopping_criteria")
+            if not callable(criterion):
+                raise ValueError(f"stopping_criteria items must be callables, got {type(criterion).__name__}")
+
+
+def _criteria(resolved: ResolvedConfig, user_criteria, tokenizer):
+    """Stop strings, max_time and the user's criteria, merged as transformers merges them (a user criterion
+    replaces a default one of the same type); None when there is nothing to run."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
+
+    config = resolved.config
+    defaults = StoppingCriteriaList()
+    if config.max_time is not None:
+        defaults.append(MaxTimeCriteria(max_time=config.max_time))
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError("There are one or more stop strings, either in the arguments to `generate` or in the "
+                             "model's generation config, but we could not locate a tokenizer. When generating with "
+                             "stop strings, you must pass the model's tokenizer to the `tokenizer` argument of "
+                             "`generate`.")
+        defaults.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
+    custom = list(user_criteria or [])
+    merged = StoppingCriteriaList()
+    for default in defaults:
+        merged.append(next((c for c in custom if type(c) is type(default)), default))
+    for criterion in custom:
+        if criterion not in merged:
+            merged.append(criterion)
+    return merged if len(merged) else None
+
+
+def _plan(model, state: Attachment, inputs, generation_config, logits_processor, stopping_criteria, streamer,
+          kwargs: Dict[str, Any]) -> Plan:
+    kwargs = dict(kwargs)
+    _refuse_unsupported_arguments(kwargs, logits_processor, stopping_criteria)
+    tokenizer = kwargs.pop("tokenizer", None)
+    tokenizer = state.tokenizer if tokenizer is None else tokenizer
+    resolved = resolve_generation_config(model, generation_config, kwargs)
+    check_supported(resolved)
+    config = resolved.config
+    mode = str(getattr(config.get_generation_mode(), "value", config.get_generation_mode()))
+    if mode not in _SUPPORTED_MODES:
+        raise ValueError(f"generation mode {mode!r} is not supported by the paged backend "
+                         f"(supported: greedy search, sampling, beam search)")
+    if resolved.use_beam_search:
+        if streamer is not None:
+            raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set to 1.")
+        if config.stop_strings is not None or config.max_time is not None or (stopping_criteria and len(stopping_criteria)):
+            raise ValueError("stop_strings, max_time and stopping_criteria are not supported with beam search "
+                             "by the paged backend")
+    eos_ids, pad_id = special_tokens(config)
+    batch = prepare_prompts(inputs, resolved.model_kwargs, config, eos_ids, pad_id)
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    prepare_lengths(resolved, batch.padded_len, getattr(text_config, "max_position_embeddings", None))
+    engine = state.engine
+    max_tokens = config.max_length - batch.padded_len
+    for row, prompt in enumerate(batch.prompts):
+        if len(prompt) + max_tokens > engine.max_model_len:
+            raise ValueError(f"row {row}: {len(prompt)} prompt tokens + {max_tokens} new tokens exceed the engine's "
+                             f"context of {engine.max_model_len} tokens (max_model_len)")
+    options = OutputOptions(bool(config.return_dict_in_generate), bool(config.output_scores),
+                            bool(config.output_logits))
+    base_seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if config.do_sample is True else None
+    params = [sampling_params(resolved, batch.padded_len, eos_ids, None if base_seed is None else base_seed + b,
+                              options.records) for b in range(batch.batch_size)]
+    criteria = None if resolved.use_beam_search else _criteria(resolved, stopping_criteria, tokenizer)
+    return Plan(batch, params, resolved.num_return_sequences, config.num_beams or 1, eos_ids, pad_id, options,
+                criteria)
+
+
+def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
+              stopping_criteria=None, streamer=None, **kwargs):
+    """transformers' `generate`, served by the paged engine (same arguments, same outputs; see docs/hf.md)."""
+    state = attachment_of(model)
+    plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria, streamer, kwargs)
+    if plan.num_beams > 1:
+        with state.guard() as engine:
+            run = BeamRun(engine, plan)
+            output = run.run()
+    else:
+        run = GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard)
+        output = run.finish()
+    if run.filled_rows and plan.options.records:
+        warnings.warn(UNMATCHED_ROWS_WARNING, UserWarning, stacklevel=3)
+    return output
+
+
+def generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
+                     stopping_criteria=None, streamer=None, **kwargs) -> GenerationStream:
+    """Like `generate`, but returns a `GenerationStream`: iterate it for one `TokenEvent` per new token of
+    every row (no thread needed); afterwards `stream.output` is what `generate` returns."""
+    state = attachment_of(model)
+    plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria, streamer, kwargs)
+    if plan.num_beams > 1:
+        raise ValueError("generate_stream does not support beam search: beams are only final at the end")
+    return GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard)

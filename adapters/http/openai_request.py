@@ -1,0 +1,268 @@
+"""OpenAI request bodies (completions, chat): OpenAI's limits where its specification states them, then
+the body under vLLM's names through the engine's request contract (`sampling_params_from_dict`,
+`validate`, `fit_max_tokens`), so every parameter means what it means to vLLM.
+
+OpenAI's parameters plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`,
+`truncate_prompt_tokens`, `use_beam_search`, `length_penalty`, `early_stopping`). `max_tokens` defaults
+to 16 for completions (OpenAI's documented default) and to all that fits the context and KV cache for
+chat; `null` means all that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+from paged_backend import SamplingParams
+from paged_backend.errors import InvalidRequest, PromptTooLong
+from paged_backend.request_params import sampling_params_from_dict
+from paged_backend.sampling_params import RequestOutputKind
+
+from .body import StrictBody
+from .context import ServerContext
+from .errors import ValidationFailed, refusal
+
+# OpenAI's documented limits
+MAX_COMPLETION_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+MAX_BEST_OF = 20
+MAX_STOP = 4
+MAX_LOGIT_BIAS = 100.0
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class StreamOptions(StrictBody):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictBody):
+    """Fields both endpoints share."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, List[str]]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    user: Optional[str] = None
+    best_of: Optional[int] = None
+    # vLLM extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[List[int]] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: Optional[float] = None
+    early_stopping: Optional[Union[bool, str]] = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class ContentPart(StrictBody):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(StrictBody):
+    role: str
+    content: Optional[Union[str, List[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatRequest(SamplingFields):
+    messages: List[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    response_format: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Any]] = None
+    tool_choice: Optional[Any] = None
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class OpenAIPlan:
+    """A validated request: one engine request per prompt, each with its SamplingParams."""
+
+    prompts: List[List[int]]
+    params: List[SamplingParams]
+    stream: bool
+    include_usage: bool
+    logprobs: Optional[int]        # completions: top-k per position; chat: top_logprobs
+    echo_texts: Optional[List[str]] = None
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
+
+
+def _fail(message: str, param: str, code: str = "invalid_value") -> None:
+    raise ValidationFailed(message, param=param, code=code)
+
+
+def _range(value, name: str, low: float, high: float) -> None:
+    if value is not None and not low <= value <= high:
+        _fail(f"`{name}` must be between {low} and {high}, got {value}", name)
+
+
+def _check_common(req: SamplingFields) -> None:
+    """OpenAI's documented limits; everything else is the engine's contract."""
+    _range(req.temperature, "temperature", 0.0, 2.0)
+    _range(req.top_p, "top_p", 0.0, 1.0)
+    _range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _range(req.n, "n", 1, MAX_N)
+    _range(req.best_of, "best_of", 1, MAX_BEST_OF)
+    if req.max_tokens is not None and req.max_tokens < 1:
+        _fail(f"`max_tokens` must be at least 1, got {req.max_tokens}", "max_tokens")
+    if req.best_of is not None and req.best_of < req.n:
+        _fail(f"`best_of` ({req.best_of}) must be >= `n` ({req.n})", "best_of")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP:
+        _fail(f"`stop` takes up to {MAX_STOP} sequences, got {len(stops)}", "stop")
+    if any(s == "" for s in stops):
+        _fail("`stop` strings must not be empty", "stop")
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            _fail(f"`logit_bias` keys must be token ids, got {key!r}", "logit_bias")
+        _range(bias, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        _fail("`best_of` > `n` cannot be streamed", "best_of")
+    if req.stream and req.use_beam_search:
+        _fail("beam search cannot be streamed", "use_beam_search")
+
+
+_VLLM_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+                "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
+                "truncate_prompt_tokens", "prompt_logprobs", "use_beam_search", "length_penalty", "early_stopping")
+
+
+def vllm_values(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> Dict[str, Any]:
+    """The request under vLLM's names (what `sampling_params_from_dict` reads)."""
+    values: Dict[str, Any] = {name: getattr(req, name) for name in _VLLM_FIELDS}
+    values.update(max_tokens=max_tokens, logprobs=logprobs)
+    if req.logit_bias:
+        values["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    return values
+
+
+def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: Optional[int],
+            logprobs: Optional[int], default: Optional[int], prompt_param: str):
+    """(token ids, SamplingParams) per prompt through the engine's contract; refusals in OpenAI's terms."""
+    names = {"prompt": prompt_param}
+    try:
+        base = sampling_params_from_dict(vllm_values(req, max_tokens, logprobs),
+                                         output_kind=RequestOutputKind.DELTA if req.stream else
+                                         RequestOutputKind.CUMULATIVE)
+        ids = [ctx.engine.validate(p, base) for p in prompts]
+        params = [ctx.engine.fit_max_tokens(len(i), base, default=default) for i in ids]
+    except InvalidRequest as exc:
+        raise refusal(exc, names) from None
+    return ids, params
+
+
+def _completion_prompts(prompt) -> list:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        _fail("`prompt` must not be empty", "prompt")
+    return prompts
+
+
+def plan_completion(ctx: ServerContext, req: CompletionRequest) -> OpenAIPlan:
+    """Validate a /v1/completions request and build its SamplingParams (blocking: tokenizes)."""
+    _check_common(req)
+    if req.suffix:
+        _fail("`suffix` is not supported by this server", "suffix", "unsupported_parameter")
+    _range(req.logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if req.echo and req.logprobs is not None:
+        _fail("`echo` with `logprobs` is not supported: prompt logprobs are not computed", "echo",
+              "unsupported_parameter")
+    ids, params = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
+    echo = [ctx.tokenizer.decode(p) for p in ids] if req.echo else None
+    return OpenAIPlan(ids, params, req.stream, _include_usage(req), req.logprobs, echo)
+
+
+def _include_usage(req: SamplingFields) -> bool:
+    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+
+
+def _message_text(message: ChatMessage, i: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            _fail(f"messages[{i}]: only text content parts are supported, got {part.type!r}", "messages")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_prompt(ctx: ServerContext, req: ChatRequest) -> str:
+    """The conversation rendered with the model's chat template."""
+    if not req.messages:
+        _fail("`messages` must not be empty", "messages")
+    if getattr(ctx.tokenizer, "chat_template", None) is None:
+        _fail("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(req.messages)]
+    chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+    if chars > ctx.engine.max_prompt_chars:
+        raise refusal(PromptTooLong(f"the messages have {chars} characters, more than any prompt that fits the "
+                                    f"context can have ({ctx.engine.max_prompt_chars})", param="messages"))
+    try:
+        return ctx.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=req.add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages being off
+        raise ValidationFailed(f"the chat template rejected the messages: {exc}", param="messages") from None
+
+
+def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
+    """Validate a /v1/chat/completions request, apply the chat template, build SamplingParams (blocking)."""
+    _check_common(req)
+    if req.tools:
+        _fail("`tools` are not supported by this server", "tools", "unsupported_parameter")
+    if req.tool_choice not in (None, "none"):
+        _fail("`tool_choice` needs `tools`, which this server does not support", "tool_choice",
+              "unsupported_parameter")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        _fail("only `response_format` {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
+    if req.top_logprobs is not None:
+        _range(req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if not req.logprobs:
+            _fail("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+    if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+        _fail(f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}", "max_completion_tokens")
+    text = chat_prompt(ctx, req)
+    prompt = list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    ids, params = _settle(ctx, req, [prompt], requested, logprobs, None, "messages")
+    return OpenAIPlan(ids, params, req.stream, _include_usage(req), logprobs)

@@ -1,0 +1,84 @@
+"""The engine's metrics table (`paged_backend.metrics_table`) as Triton custom metrics, on Triton's /metrics.
+
+The same names as the HTTP server's `/metrics`, ours and vLLM's (`vllm:num_requests_running`,
+`vllm:time_to_first_token_seconds`, ...), labelled with `model` and `version` as Triton's vLLM backend
+labels them. Gauges are set; counters grow by their change since the last update (Triton counters only go
+up); histograms replay the observations made since the last update (Triton histograms can only observe).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from paged_backend.metrics import HISTOGRAM_BUCKETS, EngineStats
+from paged_backend.metrics_table import COUNTER, GAUGE, HISTOGRAM, METRICS, MetricSpec, histogram, labelled_values, value
+
+
+class TritonEngineMetrics:
+    """One Triton metric family per table entry; `update(stats)` publishes a snapshot."""
+
+    def __init__(self, pb_utils: Any, labels: Dict[str, str]) -> None:
+        kinds = {GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
+                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}
+        self._families: List[Any] = []
+        # (spec, label value or None) -> metric
+        self._metrics: Dict[Tuple[str, Optional[str]], Any] = {}
+        self._last: Dict[Tuple[str, Optional[str]], float] = {}
+        for spec in METRICS:
+            family = pb_utils.MetricFamily(name=spec.sample_name, description=spec.help, kind=kinds[spec.kind])
+            self._families.append(family)
+            if spec.label:
+                for label_value in spec.label_values:
+                    self._metrics[(spec.name, label_value)] = family.Metric(labels={**labels, spec.label: label_value})
+            elif spec.kind in (GAUGE, COUNTER):
+                self._metrics[(spec.name, None)] = family.Metric(labels=labels)
+            else:
+                self._metrics[(spec.name, None)] = family.Metric(labels=labels,
+                                                                 buckets=list(HISTOGRAM_BUCKETS[spec.source]))
+
+    def update(self, stats: EngineStats) -> None:
+        """Set gauges that changed; add the growth of each counter; observe new histogram values."""
+        for spec in METRICS:
+            if spec.kind == GAUGE:
+                self._set((spec.name, None), value(spec, stats))
+            elif spec.kind == COUNTER and spec.label:
+                for label_value, count in labelled_values(spec, stats):
+                    self._grow((spec.name, label_value), count)
+            elif spec.kind == COUNTER:
+                self._grow((spec.name, None), value(spec, stats))
+            else:
+                self._observe(spec, stats)
+
+    def _set(self, key, current: float) -> None:
+        if self._last.get(key) != current:
+            self._metrics[key].set(current)
+            self._last[key] = current
+
+    def _grow(self, key, current: float) -> None:
+        delta = current - self._last.get(key, 0.0)
+        if delta > 0:
+            self._metrics[key].increment(delta)
+            self._last[key] = current
+
+    def _observe(self, spec: MetricSpec, stats: EngineStats) -> None:
+        key = (spec.name, None)
+        snapshot = histogram(spec, stats)
+        seen = int(self._last.get(key, 0))
+        for observed in snapshot.new_values(seen):
+            self._metrics[key].observe(observed)
+        self._last[key] = snapshot.count
+
+    def close(self) -> None:
+        """Drop the metrics before their families (the order Triton requires)."""
+        self._metrics.clear()
+        self._families.clear()
+
+
+def create_metrics(pb_utils: Any, labels: Dict[str, str], logger: Any = None) -> Optional[TritonEngineMetrics]:
+    """The metrics, or None when the server runs without metrics (`--allow-metrics=false`)."""
+    try:
+        return TritonEngineMetrics(pb_utils, labels)
+    except Exception as exc:  # noqa: BLE001 - pb_utils raises TritonModelException when metrics are off
+        if logger is not None:
+            logger.log_info(f"[paged_backend] custom metrics unavailable: {exc}")
+        return None

@@ -1,0 +1,126 @@
+"""Request parsing for the Triton model: input tensors and `sampling_parameters` JSON -> a validated request.
+
+Follows Triton's vLLM backend: `text_input` (STRING), optional `stream`, `sampling_parameters` (a JSON
+object of vLLM's sampling parameters, values possibly strings), `exclude_input_in_output` and the
+`return_*` switches. When no `sampling_parameters` tensor is sent, the request's own parameters (Triton's
+generate endpoint puts the JSON `parameters` object and unknown top-level keys there) are used instead.
+The sampling parameters go through the engine's one mapping (`paged_backend.request_params`). No Triton
+import here, so the rules are testable without a server.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+from paged_backend import SamplingParams
+from paged_backend.coerce import to_bool
+from paged_backend.errors import InvalidParameter, UnsupportedParameter
+from paged_backend.request_params import sampling_params_from_dict
+from paged_backend.sampling_params import RequestOutputKind
+
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                "return_num_output_tokens")
+FLAG_INPUTS = ("stream", "exclude_input_in_output") + RETURN_FLAGS
+REFUSED_INPUTS = {"image": "images are not supported: the engine serves text-only models",
+                  "embedding_request": "embedding requests are not supported: the engine generates text"}
+VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which Triton's vLLM backend inherits
+
+
+def parse_json_object(text: Any, what: str = "sampling_parameters") -> Dict[str, Any]:
+    """A JSON object from a string (or bytes); a clear ValueError for anything else."""
+    if isinstance(text, bytes):
+        text = _decode(what, text)
+    if text is None or (isinstance(text, str) and text.strip() == ""):
+        return {}
+    if isinstance(text, dict):
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object such as {{\"max_tokens\": 16}}, got {type(value).__name__}")
+    return value
+
+
+def parse_sampling_parameters(text: Any, stream: bool = False) -> SamplingParams:
+    """SamplingParams from the `sampling_parameters` JSON string (what Triton's vLLM backend accepts):
+    the engine reports deltas when streaming, else only the final output."""
+    values = parse_json_object(text)
+    if values.pop("lora_name", None) is not None:  # vllm_backend's own key
+        raise UnsupportedParameter("LoRA feature is not enabled: this engine serves no LoRA adapters",
+                                   param="lora_name")
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    return sampling_params_from_dict(values, output_kind=kind)
+
+
+@dataclass
+class GenerateRequest:
+    """One parsed Triton request: the prompt, how to answer, and which extra outputs to return."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    prepend_input: bool = True
+    return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def _decode(name: str, value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} is not valid UTF-8: {exc}") from None
+
+
+def _single(name: str, array: Any) -> Any:
+    """The one element of an input tensor (shape [1] or [1, 1]); batches are not accepted."""
+    items = array.reshape(-1).tolist() if hasattr(array, "reshape") else [array]
+    if len(items) != 1:
+        raise ValueError(f"{name} must hold exactly one element, got {len(items)} (send one request per prompt)")
+    item = items[0]
+    return _decode(name, item) if isinstance(item, bytes) else item
+
+
+def _flag(name: str, inputs: Mapping[str, Any], fallback: Mapping[str, Any]) -> Optional[bool]:
+    if inputs.get(name) is not None:
+        return to_bool(name, _single(name, inputs[name]))
+    if fallback.get(name) is not None:
+        return to_bool(name, fallback[name])
+    return None
+
+
+def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = None) -> GenerateRequest:
+    """Validate one request: `inputs` maps tensor names to numpy arrays (absent ones missing or None);
+    `request_parameters` is the request's parameters JSON (used when no `sampling_parameters` is sent)."""
+    for name, why in REFUSED_INPUTS.items():
+        if inputs.get(name) is not None:
+            raise UnsupportedParameter(f"input tensor {name!r}: {why}", param=name)
+    if inputs.get("text_input") is None:
+        raise InvalidParameter("missing required input tensor 'text_input' (the prompt, a STRING tensor of shape [1])",
+                               param="text_input")
+    prompt = _single("text_input", inputs["text_input"])
+    if not isinstance(prompt, str):
+        raise InvalidParameter(f"text_input must be a string, got {type(prompt).__name__}", param="text_input")
+    extra = parse_json_object(request_parameters, "request parameters")
+    flags = {name: extra.pop(name, None) for name in FLAG_INPUTS}
+    stream = bool(_flag("stream", inputs, flags))
+    if inputs.get("sampling_parameters") is not None:
+        params = parse_sampling_parameters(_single("sampling_parameters", inputs["sampling_parameters"]), stream)
+    else:
+        params = parse_sampling_parameters(extra, stream)
+    exclude = _flag("exclude_input_in_output", inputs, flags)
+    prepend_input = (not exclude) if exclude is not None else not stream
+    if stream and prepend_input:
+        raise ValueError("exclude_input_in_output=false is not allowed when streaming "
+                         "(streamed responses carry only the new text)")
+    if stream and params.best_of > params.n and not params.use_beam_search:
+        raise ValueError(f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
+                         f"sequences are only known at the end")
+    returns = {name: bool(_flag(name, inputs, flags)) for name in RETURN_FLAGS}
+    return GenerateRequest(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input, **returns)

@@ -1,0 +1,151 @@
+"""Regenerate docs/benchmarks.md and its plots from the recorded JSON (docs/img/bench-NAME.json) alone.
+
+The prose of docs/benchmarks.md is written by hand; every figure sits in a generated block,
+`<!-- generated: KIND NAME -->` ... `<!-- end generated -->`, rewritten here from the records:
+`record NAME` (command, commit, machine, duration), `table NAME`, `plot NAME` and `headline`.
+A benchmark without a record gets a line saying so instead of stale numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+BLOCK = re.compile(r"(<!-- generated: ([a-z]+)(?: ([a-z]+))? -->\n)(.*?)(<!-- end generated -->)", re.S)
+NAMES = ("waste", "throughput", "sharing", "serving", "overhead")
+
+
+def load_records(docs_dir: Path) -> Dict[str, dict]:
+    """name -> recorded result, for every benchmark that has a record under docs/img/."""
+    from .cli import record_paths
+
+    records = {}
+    for name in NAMES:
+        path = record_paths(name, docs_dir)[0]
+        if path.exists():
+            records[name] = json.loads(path.read_text())
+    return records
+
+
+def _missing(name: str) -> str:
+    return f"*No record of the {name} benchmark at this commit yet: `make bench` writes it.*\n"
+
+
+def _commit_text(record: dict) -> str:
+    git = record.get("conditions", {}).get("git", {})
+    commit = (git.get("commit") or "unknown")[:12]
+    return f"`{commit}`" + (" (**dirty tree**: uncommitted changes)" if git.get("dirty") else "")
+
+
+def render_record(name: str, record: dict) -> str:
+    c = record.get("conditions", {})
+    m = c.get("machine", {})
+    v = c.get("versions", {})
+    lines = ["| | |", "|---|---|",
+             f"| command | `{record.get('command', '?')}` ({record.get('elapsed_s', 0) / 60:.0f} min, size "
+             f"`{record.get('size', '?')}`) |",
+             f"| commit | {_commit_text(record)}, run {c.get('time', '?')} |",
+             f"| machine | {m.get('host_cpus', '?')} cores ({m.get('usable_cpus', '?')} usable), "
+             f"{m.get('cpu_model') or 'unknown CPU'}, {m.get('memory_gib', '?')} GiB |",
+             f"| load average (1/5/15 min) | {m.get('load_average_1_5_15')} before, "
+             f"{c.get('load_average_after')} after |",
+             f"| torch | {v.get('torch')}, {c.get('torch_threads')} threads; transformers {v.get('transformers')}, "
+             f"Python {v.get('python')} |"]
+    problems = record.get("problems") or []
+    lines.append(f"| invariants | {'all hold' if not problems else 'VIOLATED: ' + '; '.join(problems)} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_table(name: str, record: dict) -> str:
+    from .cli import spec_of
+
+    return "```text\n" + spec_of(name).table(record) + "\n```\n"
+
+
+def render_plot(name: str, record: dict) -> str:
+    return f"![{name}](img/bench-{name}.png)\n"
+
+
+def _ratio(rows: List[dict], system: str, key: str = "ratio") -> Optional[str]:
+    row = next((r for r in rows if r["system"] == system and r.get(key)), None)
+    if row is None:
+        return None
+    s = row[key]
+    return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if len(s["values"]) > 1 else f"{s['median']:.2f}x"
+
+
+def render_headline(records: Dict[str, dict]) -> str:
+    """The ratios the issue's targets name, each from its record (medians and ranges of paired rounds)."""
+    lines = ["| measurement | this record |", "|---|---|"]
+    t = records.get("throughput")
+    if t:
+        rows = [r for r in t["rows"] if r["kind"] == "equal-precision"]
+        parts = [f"{r['label']} {_ratio(rows, r['system'])}" for r in rows if r["system"] != "paged" and r["ratio"]]
+        lines.append(f"| output tokens/s, paged / system at equal KV ({t['kv_mib']:.1f} MiB) | {'; '.join(parts)} |")
+        paged = next((r for r in rows if r["system"] == "paged"), None)
+        if paged:
+            recomputed = paged["recomputed_tokens"]
+            text = "missing from the engine's stats" if recomputed is None else \
+                f"{recomputed} ({100 * paged['recomputed_share_of_trace_tokens']:.1f}% of the trace's tokens)"
+            lines.append(f"| paged: preemptions / recomputed tokens | {paged['preemptions']} / {text} |")
+    s = records.get("serving")
+    if s:
+        per = [r for r in s["rows"] if r["system"] == "hf-serve" and r["paged_ratio"]]
+        if per:
+            text = ", ".join(f"{r['concurrency']}: {r['paged_ratio']['median']:.2f}x" for r in per)
+            lines.append(f"| HTTP under guidellm, ours / transformers serve by concurrency | {text} |")
+    w = records.get("waste")
+    if w:
+        shares = {f"{r['system']}/{r['allocator']}": r["memory"]["shares"]["token_states"] for r in w["runs"]}
+        lines.append("| KV memory holding token states (waste) | " +
+                     ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()) + " |")
+    o = records.get("overhead")
+    if o:
+        lines.append("| step time outside the model forward (overhead) | " +
+                     ", ".join(f"{r['running']} sequences {100 * r['outside_forward_share']:.1f}%" for r in o["runs"]) +
+                     " |")
+    if len(lines) == 2:
+        return "*No benchmark records at this commit yet: `make bench` writes them.*\n"
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: Dict[str, Callable[[str, dict], str]] = {"record": render_record, "table": render_table,
+                                                    "plot": render_plot}
+
+
+def render(text: str, records: Dict[str, dict]) -> tuple:
+    """The doc with every generated block rewritten; and the problems met (unknown blocks, mixed commits)."""
+    problems: List[str] = []
+
+    def block(match: re.Match) -> str:
+        kind, name = match.group(2), match.group(3)
+        if kind == "headline":
+            body = render_headline(records)
+        elif kind in RENDERERS and name in NAMES:
+            body = RENDERERS[kind](name, records[name]) if name in records else _missing(name)
+        else:
+            problems.append(f"unknown generated block {kind!r} {name!r}")
+            body = match.group(4)
+        return match.group(1) + body + match.group(5)
+
+    out = BLOCK.sub(block, text)
+    commits = {r.get("conditions", {}).get("git", {}).get("commit") for r in records.values()}
+    if len(commits) > 1:
+        problems.append(f"the records come from {len(commits)} different commits; rerun `make bench` at one commit")
+    return out, problems
+
+
+def regenerate(docs_dir: Path, plot: bool = True) -> List[str]:
+    """Rewrite docs/benchmarks.md's generated blocks and redraw each recorded benchmark's plot."""
+    from .cli import record_paths, spec_of
+
+    records = load_records(docs_dir)
+    if plot:
+        for name, record in records.items():
+            spec_of(name).plot_function()(record, record_paths(name, docs_dir)[1])
+    doc = docs_dir / "benchmarks.md"
+    text, problems = render(doc.read_text(), records)
+    doc.write_text(text)
+    return problems

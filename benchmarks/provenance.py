@@ -1,0 +1,107 @@
+"""Where and at which code a benchmark ran: the git commit (and whether the tree was dirty), the machine
+(cores, CPU model, memory, load average) and the software versions, recorded in every result JSON so a
+documented figure can be traced to the code and the conditions that produced it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class GitState:
+    """The commit the benchmark code was at; `dirty` lists tracked changes and untracked files."""
+
+    commit: Optional[str]
+    branch: Optional[str]
+    dirty: Optional[bool]
+    changed: List[str]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _git(args: List[str], root: Path) -> Optional[str]:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def git_state(root: Path = REPO_ROOT) -> GitState:
+    """The checkout's HEAD and its uncommitted changes (ignored files do not count); all None outside git."""
+    commit = _git(["rev-parse", "HEAD"], root)
+    if commit is None:
+        return GitState(None, None, None, [])
+    branch = (_git(["rev-parse", "--abbrev-ref", "HEAD"], root) or "").strip() or None
+    status = _git(["status", "--porcelain", "--untracked-files=all"], root)
+    changed = [line[3:] for line in (status or "").splitlines() if line.strip()]
+    return GitState(commit.strip(), branch, None if status is None else bool(changed), changed[:50])
+
+
+def load_average() -> List[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _cpu_model() -> Optional[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _memory_gib() -> Optional[float]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def machine() -> Dict[str, object]:
+    """Cores (all and usable by this process), CPU model, memory, OS and the load average now."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"host_cpus": os.cpu_count(), "usable_cpus": usable, "cpu_model": _cpu_model(),
+            "memory_gib": _memory_gib(), "os": platform.platform(), "load_average_1_5_15": load_average()}
+
+
+def versions(packages=("torch", "transformers", "paged-backend")) -> Dict[str, Optional[str]]:
+    found: Dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def dirty_refusal(state: GitState) -> Optional[str]:
+    """Why a documented record may not be written from this checkout (None when it may)."""
+    if state.commit is None:
+        return "the benchmark code is not in a git checkout, so the record could not name its commit"
+    if state.dirty is None:
+        return "git status failed, so it is unknown whether the tree matches the commit"
+    if state.dirty:
+        shown = ", ".join(state.changed[:5]) + (" ..." if len(state.changed) > 5 else "")
+        return (f"the tree differs from commit {state.commit[:12]} ({shown}); commit first, or pass "
+                f"--allow-dirty to record it marked dirty")
+    return None

@@ -1,0 +1,77 @@
+"""The serving benchmark's rows: guidellm's per-concurrency figures of every round folded into a median and
+range per (system, concurrency), ratios to our server paired within a round, the table and the invariants."""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from .repeat import format_spread, paired_ratio, spread
+from .report import format_table
+from .serving_systems import LABELS
+
+
+def summarize_serving(runs: List[dict], systems: Sequence[str], concurrencies: Sequence[int]) -> List[dict]:
+    """One row per (system, concurrency)."""
+    rows = []
+    for system in systems:
+        for c in concurrencies:
+            own = [r for r in runs if r["system"] == system and r["concurrency"] == c]
+            if not own:
+                continue
+            at_c = [r for r in runs if r["concurrency"] == c]
+            rows.append({
+                "system": system, "label": LABELS.get(system, system), "concurrency": c, "repetitions": len(own),
+                "output_tokens_per_s": spread([r["output_tokens_per_s"] for r in own]),
+                "requests_per_s": spread([r["requests_per_s"] for r in own]),
+                "ttft_ms_median": spread([r["ttft_ms_median"] for r in own]),
+                "itl_ms_mean": spread([r["itl_ms_mean"] for r in own]),
+                "latency_s_median": spread([r["latency_s_median"] for r in own]),
+                "busy_cores": spread([r["busy_cores"] for r in own]),
+                # ours / this server's output tokens per second, paired by round
+                "paged_ratio": None if system == "paged" else paired_ratio(at_c, "paged", system,
+                                                                           "output_tokens_per_s"),
+                "requests_ok": sum(r["requests_ok"] for r in own),
+                "requests_failed": sum(r["requests_failed"] for r in own),
+                "output_tokens_min": min((r["min_output_tokens"] for r in own if r["min_output_tokens"] is not None),
+                                         default=None),
+                "output_tokens_max": max((r["max_output_tokens"] for r in own if r["max_output_tokens"] is not None),
+                                         default=None),
+                "prompt_tokens_min": min((r["min_prompt_tokens"] for r in own if r["min_prompt_tokens"] is not None),
+                                         default=None),
+                "prompt_tokens_max": max((r["max_prompt_tokens"] for r in own if r["max_prompt_tokens"] is not None),
+                                         default=None),
+            })
+    return rows
+
+
+def serving_table(result: dict) -> str:
+    headers = ["system", "concurrency", "out tok/s", "paged is x", "TTFT ms (median)", "ITL ms", "busy cores",
+               "done", "failed"]
+    rows = [[r["label"], r["concurrency"], format_spread(r["output_tokens_per_s"]),
+             format_spread(r["paged_ratio"], 2, "x"), format_spread(r["ttft_ms_median"], 0),
+             format_spread(r["itl_ms_mean"], 0), format_spread(r["busy_cores"], 2), r["requests_ok"],
+             r["requests_failed"]] for r in result["rows"]]
+    c = result["config"]
+    title = (f"Serving over HTTP under guidellm {result['guidellm']}: {c['prompt_tokens']}-token synthetic prompts, "
+             f"{c['output_tokens']} forced output tokens, {c['model']} {c['dtype']}, {c['kv_slots']} KV slots and "
+             f"{c['threads']} threads per server; median (range) of {c['repetitions']} interleaved rounds")
+    return format_table(headers, rows, title)
+
+
+def check_serving(result: dict) -> List[str]:
+    """Every request answered, each at the forced output length, on every server (none depends on timing)."""
+    problems = []
+    wanted = result["config"]["output_tokens"]
+    per_concurrency = dict(zip(result["config"]["concurrencies"], result["requests_per_concurrency"]))
+    for r in result["rows"]:
+        name = f"{r['system']} at concurrency {r['concurrency']}"
+        expected = per_concurrency[r["concurrency"]] * r["repetitions"]
+        if r["requests_failed"] or r["requests_ok"] != expected:
+            problems.append(f"{name}: {r['requests_ok']}/{expected} requests answered, {r['requests_failed']} failed")
+        if (r["output_tokens_min"], r["output_tokens_max"]) != (wanted, wanted):
+            problems.append(f"{name}: output lengths {r['output_tokens_min']}-{r['output_tokens_max']} tokens, "
+                            f"expected exactly {wanted} (the forced length was not honoured)")
+    for name, code in result.get("server_exit_codes", {}).items():
+        if code not in (0, None, -15):
+            problems.append(f"{name} server exited with {code}")
+    return problems

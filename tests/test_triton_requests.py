@@ -1,0 +1,258 @@
+"""Triton front without a server: request tensors, response arrays (from the engine's deltas), model.json
+under vLLM's engine-argument names, instance placement and the repository layouts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from paged_backend import CompletionOutput, RequestOutput
+from paged_backend.adapters.triton.model_json import load_model_options, parse_model_options
+from paged_backend.adapters.triton.placement import Placement, engine_kwargs, place
+from paged_backend.adapters.triton.repository import install_backend, write_model_repository
+from paged_backend.adapters.triton.request_inputs import (GenerateRequest, parse_generate_request,
+                                                          parse_sampling_parameters)
+from paged_backend.adapters.triton.response_outputs import StreamState, build_outputs
+from paged_backend.errors import UnsupportedParameter
+from paged_backend.sampling_params import RequestOutputKind
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def flag(value: bool) -> np.ndarray:
+    return np.array([value], dtype=bool)
+
+
+# ---- requests -----------------------------------------------------------------------------------
+def test_sampling_parameters_use_the_engines_mapping():
+    params = parse_sampling_parameters(json.dumps({
+        "temperature": "0.5", "top_k": "0", "max_tokens": "16", "ignore_eos": "true", "stop": '["a", "b"]',
+        "logprobs": 2, "bad_words": ["x"], "allowed_token_ids": [5, 6], "seed": None}))
+    assert (params.temperature, params.top_k, params.max_tokens, params.ignore_eos) == (0.5, -1, 16, True)
+    assert params.stop_strings == ["a", "b"] and params.logprobs == 2 and params.bad_words == ["x"]
+    assert params.output_kind == RequestOutputKind.FINAL_ONLY
+    assert parse_sampling_parameters("{}", stream=True).output_kind == RequestOutputKind.DELTA
+    assert parse_sampling_parameters("").max_tokens is None  # vLLM's 16 is applied at admission (engine_loop)
+    assert parse_sampling_parameters('{"use_beam_search": true, "n": 2}').beam_width == 2
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("{bad json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"temperature": "hot"}', "temperature must be a finite number"),
+    ('{"top_k": -3}', "top_k"),
+    ('{"max_tokens": 1.5}', "max_tokens must be an integer"),
+    ('{"frobnicate": 1}', "unsupported sampling parameter 'frobnicate'"),
+    ('{"use_beam_search": true}', "use_beam_search needs best_of"),
+    ('{"lora_name": "adapter"}', "LoRA feature is not enabled"),
+    ('{"prompt_logprobs": 1}', "prompt_logprobs=1 is not supported"),
+])
+def test_bad_sampling_parameters_raise_clear_errors(raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse_sampling_parameters(raw)
+
+
+def test_defaults_follow_the_vllm_backend():
+    req = parse_generate_request({"text_input": text("Hello")})
+    assert req.prompt == "Hello" and not req.stream and req.prepend_input
+    assert not (req.return_finish_reason or req.return_cumulative_logprob or req.return_logprobs
+                or req.return_num_input_tokens or req.return_num_output_tokens)
+    streaming = parse_generate_request({"text_input": text("Hello"), "stream": flag(True)})
+    assert streaming.stream and not streaming.prepend_input
+    excluded = parse_generate_request({"text_input": text("Hello"), "exclude_input_in_output": flag(True),
+                                       "return_logprobs": flag(True), "return_num_output_tokens": flag(True)})
+    assert not excluded.prepend_input and excluded.return_logprobs and excluded.return_num_output_tokens
+
+
+def test_sampling_parameters_tensor_wins_over_request_parameters():
+    req = parse_generate_request({"text_input": text("Hi"), "sampling_parameters": text('{"max_tokens": "4"}')},
+                                 '{"max_tokens": 9}')
+    assert req.params.max_tokens == 4
+    generate = parse_generate_request({"text_input": text("Hi")},
+                                      '{"max_tokens": 5, "temperature": 0, "stream": true, "return_logprobs": true}')
+    assert generate.params.max_tokens == 5 and generate.stream and generate.return_logprobs
+
+
+@pytest.mark.parametrize("inputs, params, message", [
+    ({}, None, "missing required input tensor 'text_input'"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, None, "exactly one element, got 2"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, None, "not valid UTF-8"),
+    ({"text_input": np.array([3], dtype=np.int32)}, None, "text_input must be a string"),
+    ({"text_input": text("x"), "sampling_parameters": text("{oops")}, None, "sampling_parameters is not valid JSON"),
+    ({"text_input": text("x")}, "{oops", "request parameters is not valid JSON"),
+    ({"text_input": text("x"), "stream": flag(True), "exclude_input_in_output": flag(False)}, None,
+     "not allowed when streaming"),
+    ({"text_input": text("x"), "stream": flag(True), "sampling_parameters": text('{"n": 1, "best_of": 2}')}, None,
+     "cannot be streamed"),
+    ({"text_input": text("x"), "image": text("aGk=")}, None, "images are not supported"),
+    ({"text_input": text("x"), "embedding_request": text("{}")}, None, "embedding requests are not supported"),
+])
+def test_bad_requests_raise_clear_errors(inputs, params, message):
+    with pytest.raises(ValueError, match=message):
+        parse_generate_request(inputs, params)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def _delta(pieces, finished, prompt="P:", reasons=None, logprobs=None):
+    """An engine output: pieces maps a sequence index to (text, token ids)."""
+    outs = [CompletionOutput(i, t, ids, -1.5 * (i + 1), logprobs=(logprobs or {}).get(i),
+                             finish_reason=(reasons or {}).get(i)) for i, (t, ids) in pieces.items()]
+    return RequestOutput("r", prompt, [1, 2, 3], outs, finished)
+
+
+def _texts(arrays):
+    return [v.decode() for v in arrays["text_output"]]
+
+
+def test_streamed_deltas_answer_every_sequence():
+    req = GenerateRequest(prompt="P:", params=parse_sampling_parameters('{"n": 2, "temperature": 1}', True),
+                          stream=True, prepend_input=False, return_num_output_tokens=True,
+                          return_finish_reason=True, return_cumulative_logprob=True)
+    state = StreamState()
+    first = build_outputs(req, _delta({0: ("a", [5]), 1: ("x", [6])}, False), state)
+    second = build_outputs(req, _delta({1: ("y", [7])}, False, reasons={1: "length"}), state)  # 0: nothing new
+    last = build_outputs(req, _delta({0: ("bc", [8, 9])}, True, reasons={0: "stop"}), state)
+    assert [_texts(a) for a in (first, second, last)] == [["a", "x"], ["", "y"], ["bc", ""]]
+    assert [a["num_output_tokens"].tolist() for a in (first, second, last)] == [[1, 1], [0, 1], [2, 0]]
+    assert [v.decode() for v in second["finish_reason"]] == ["None", "length"]  # str(None) while running, as vLLM
+    assert [v.decode() for v in last["finish_reason"]] == ["stop", "length"]
+    assert last["cumulative_logprob"].tolist() == [-1.5, -3.0] and last["num_output_tokens"].dtype == np.uint32
+
+
+def test_the_final_response_prepends_the_prompt_and_returns_everything_asked():
+    req = GenerateRequest(prompt="P:", params=parse_sampling_parameters("{}"), return_finish_reason=True,
+                          return_cumulative_logprob=True, return_num_input_tokens=True, return_num_output_tokens=True)
+    arrays = build_outputs(req, _delta({0: (" done", [4, 5, 6])}, True, reasons={0: "length"}), StreamState())
+    assert _texts(arrays) == ["P: done"] and [v.decode() for v in arrays["finish_reason"]] == ["length"]
+    assert arrays["cumulative_logprob"].dtype == np.float32 and arrays["cumulative_logprob"].tolist() == [-1.5]
+    assert arrays["num_input_tokens"].tolist() == [3] and arrays["num_input_tokens"].dtype == np.uint32
+    assert arrays["num_output_tokens"].tolist() == [3]
+    bare = build_outputs(GenerateRequest(prompt="P:", params=req.params), _delta({0: ("x", [1])}, True),
+                         StreamState())
+    assert set(bare) == {"text_output"}
+
+
+def test_logprobs_come_back_as_vllm_shapes_them():
+    req = GenerateRequest(prompt="P", params=parse_sampling_parameters('{"logprobs": 1}'), return_logprobs=True,
+                          prepend_input=False)
+    # token 7 was the most likely; token 9 was sampled although token 8 ranked first
+    tops = [{7: -0.1}, {8: -0.2, 9: -2.5}]
+    arrays = build_outputs(req, _delta({0: ("ab", [7, 9])}, True, logprobs={0: tops}), StreamState(),
+                           decode_token=lambda t: f"<{t}>")
+    (entries,) = [json.loads(v) for v in arrays["logprobs"]]
+    assert entries == [{"7": {"logprob": -0.1, "rank": 1, "decoded_token": "<7>"}},
+                       {"8": {"logprob": -0.2, "rank": 1, "decoded_token": "<8>"},
+                        "9": {"logprob": -2.5, "rank": None, "decoded_token": "<9>"}}]
+    unasked = GenerateRequest(prompt="P", params=parse_sampling_parameters("{}"), return_logprobs=True)
+    arrays = build_outputs(unasked, _delta({0: ("ab", [7, 9])}, True), StreamState())
+    assert [v.decode() for v in arrays["logprobs"]] == ["null"]
+
+
+# ---- model.json -----------------------------------------------------------------------------------
+def test_a_vllm_backend_model_json_loads_unchanged():
+    # the vLLM backend's sample model.json (its model swapped for an offline preset)
+    opts = parse_model_options({"model": "tiny-llama", "gpu_memory_utilization": 0.5, "enforce_eager": "true",
+                                "disable_log_requests": "true"})
+    assert opts.engine == {"gpu_memory_utilization": 0.5} and opts.dtype == "auto" and opts.device == "auto"
+    assert set(opts.ignored) == {"enforce_eager", "disable_log_requests"}
+    vllm_names = parse_model_options({"model": "tiny-llama", "dtype": "bf16", "trust_remote_code": "true",
+                                      "disable_log_stats": True, "swap_space": 2, "num_gpu_blocks_override": 40,
+                                      "max_logprobs": "5", "enable_prefix_caching": "true", "block_size": "8",
+                                      "max_num_seqs": 4, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                      "quantization": None, "kv_cache_dtype": "auto"})
+    assert vllm_names.dtype == "bfloat16" and vllm_names.trust_remote_code and vllm_names.disable_log_stats
+    assert vllm_names.engine == {"swap_space": 2 * 2 ** 30, "num_blocks": 40, "max_logprobs": 5,
+                                 "enable_prefix_caching": True, "block_size": 8, "max_num_seqs": 4,
+                                 "tensor_parallel_size": 1}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"model": "tiny-llama", "gpu_memory_utilisation": 0.9}, "unknown option\\(s\\) 'gpu_memory_utilisation'"),
+    ({"block_size": 3}, "block_size must be a positive power of two"),
+    ({"block_size": "sixteen"}, "block_size must be an integer"),
+    ({"dtype": "int8"}, "dtype must be one of"),
+    ({"device": "tpu"}, "device must be"),
+    ({"preemption_mode": "evict"}, "preemption_mode must be"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
+    ({"gpu_memory_utilization": 0.5, "num_blocks": 8}, "either num_blocks or kv_cache_memory or gpu_memory"),
+    ({"num_blocks": 8, "num_gpu_blocks_override": 9}, "both set num_blocks"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism is not implemented"),
+    ({"quantization": "awq"}, "quantized weights are not supported"),
+    ({"enable_lora": "true"}, "LoRA adapters are not supported"),
+    ({"kv_cache_dtype": "fp8"}, "the KV cache has the model's dtype"),
+    ({"enable_prefix_caching": "sometimes"}, "enable_prefix_caching must be a boolean"),
+    ({"model": ""}, "model in model.json"),
+])
+def test_invalid_model_options_are_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        parse_model_options(values)
+
+
+# ---- placement ----------------------------------------------------------------------------------
+def _config(*groups):
+    return {"instance_group": list(groups)}
+
+
+def test_kind_gpu_runs_each_instance_on_its_gpu_and_shares_its_memory():
+    opts = parse_model_options({"model": "tiny-llama", "gpu_memory_utilization": 0.8})
+    config = _config({"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]})
+    placement = place(opts, "GPU", 1, config)
+    assert placement == Placement("cuda:1", 2)
+    assert engine_kwargs(opts, placement)["gpu_memory_utilization"] == pytest.approx(0.4)
+    default = engine_kwargs(parse_model_options({"model": "tiny-llama"}), placement)
+    assert default["device"] == "cuda:1" and default["gpu_memory_utilization"] == pytest.approx(0.45)  # vLLM's 0.9
+    with pytest.raises(ValueError, match="KIND_MODEL"):
+        place(parse_model_options({"tensor_parallel_size": 2}), "GPU", 0, config)
+    with pytest.raises(ValueError, match="device 'cpu'"):
+        place(parse_model_options({"device": "cpu"}), "GPU", 0, config)
+
+
+def test_kind_cpu_and_kind_model_placements():
+    opts = parse_model_options({"model": "tiny-llama", "num_blocks": 16})
+    cpu = place(opts, "CPU", 0, _config({"kind": "KIND_CPU", "count": 3}))
+    assert cpu == Placement("cpu", 3) and engine_kwargs(opts, cpu)["num_blocks"] == 16  # explicit sizes stay
+    shared = engine_kwargs(parse_model_options({"model": "tiny-llama"}), cpu)
+    assert 0 < shared["kv_cache_memory"] <= 4 * 2 ** 30 // 3
+    assert "kv_cache_memory" not in engine_kwargs(parse_model_options({}), Placement("cpu", 1))
+    assert place(parse_model_options({"device": "cpu"}), "MODEL", 0, _config({"kind": "KIND_MODEL"})).device == "cpu"
+    with pytest.raises(ValueError, match="KIND_CPU"):
+        place(parse_model_options({"device": "cuda"}), "CPU", 0, _config({"kind": "KIND_CPU"}))
+
+
+# ---- repositories ---------------------------------------------------------------------------------
+def test_repository_layouts(tmp_path):
+    model_dir = write_model_repository(tmp_path, "my_llm", {"model": "tiny-llama", "num_blocks": 16})
+    config = (model_dir / "config.pbtxt").read_text()
+    assert 'backend: "paged_backend"' in config and "KIND_CPU" in config and "input [" not in config
+    assert not (model_dir / "1" / "model.py").exists()
+    opts = load_model_options(model_dir / "1")
+    assert opts.model == "tiny-llama" and opts.engine["num_blocks"] == 16
+    python = write_model_repository(tmp_path, "py_llm", {"model": "tiny-llama"}, layout="python")
+    config = (python / "config.pbtxt").read_text()
+    assert 'backend: "python"' in config and "decoupled: true" in config
+    for name in ("text_input", "sampling_parameters", "return_logprobs", "image", "embedding_request",
+                 "text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+                 "num_output_tokens"):
+        assert f'name: "{name}"' in config, name
+    assert "paged_backend.adapters.triton.model import TritonPythonModel" in (python / "1" / "model.py").read_text()
+    backend = install_backend(tmp_path / "backends")
+    assert backend.name == "paged_backend" and "TritonPythonModel" in (backend / "model.py").read_text()
+    with pytest.raises(ValueError, match="block_size"):
+        write_model_repository(tmp_path, "bad", {"block_size": 5})
+    with pytest.raises(ValueError, match="model name"):
+        write_model_repository(tmp_path, "../escape", {})
+    with pytest.raises(ValueError, match="not found"):
+        load_model_options(tmp_path / "nowhere")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model.json").write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_model_options(tmp_path / "broken")
+
+
+def test_lora_is_refused_as_the_vllm_backend_refuses_it_when_disabled():
+    with pytest.raises(UnsupportedParameter, match="LoRA feature is not enabled"):
+        parse_generate_request({"text_input": text("x"), "sampling_parameters": text('{"lora_name": "a"}')})
