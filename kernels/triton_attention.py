@@ -37,7 +37,7 @@ def _tanh(x):
 def paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
-    scale_log2e, cap_scale, cap_log2e, window, num_seqs, v_scale,
+    scale_log2e, cap_scale, cap_log2e, window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
@@ -51,7 +51,7 @@ def paged_attention_kernel(
     (`cap_log2e`, `cap_scale`). With HAS_WINDOW the row at position p sees keys p - window < j <= p; the
     walk starts at the first row's first visible key, so table entries before it are never read. K/V tiles
     are converted to the query's dtype as they are loaded (fp8 caches arrive as bytes, KV_FORMAT 1 / 2);
-    k_scale is folded into the score scales and `v_scale` multiplies the accumulator at the end."""
+    k_scale is folded into the score scales (v_scale multiplies the output after the launch)."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,15 +112,16 @@ def paged_attention_kernel(
         key_valid = offs_n < kv_hi
         blocks = tl.load(table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
-        k = tl.load(key_cache_ptr + blocks[None, :] * stride_kb + in_block[None, :] * stride_kt
-                    + kv_head * stride_kh + offs_d[:, None],
-                    mask=d_valid[:, None] & key_valid[None, :], other=0)            # [HEAD_PAD, TILE_N]
-        v = tl.load(value_cache_ptr + blocks[:, None] * stride_vb + in_block[:, None] * stride_vt
-                    + kv_head * stride_vh + offs_d[None, :],
-                    mask=key_valid[:, None] & d_valid[None, :], other=0)            # [TILE_N, HEAD_PAD]
-        if KV_FORMAT != 0:
-            k = decode_fp8(k, KV_FORMAT)
-            v = decode_fp8(v, KV_FORMAT)
+        k_ptrs = (key_cache_ptr + blocks[None, :] * stride_kb + in_block[None, :] * stride_kt
+                  + kv_head * stride_kh + offs_d[:, None])                             # [HEAD_PAD, TILE_N]
+        v_ptrs = (value_cache_ptr + blocks[:, None] * stride_vb + in_block[:, None] * stride_vt
+                  + kv_head * stride_vh + offs_d[None, :])                             # [TILE_N, HEAD_PAD]
+        if KV_FORMAT == 0:
+            k = tl.load(k_ptrs, mask=d_valid[:, None] & key_valid[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_valid[:, None] & d_valid[None, :], other=0.0)
+        else:   # fp8 bytes
+            k = decode_fp8(tl.load(k_ptrs, mask=d_valid[:, None] & key_valid[None, :], other=0), KV_FORMAT)
+            v = decode_fp8(tl.load(v_ptrs, mask=key_valid[:, None] & d_valid[None, :], other=0), KV_FORMAT)
         k = k.to(query_ptr.dtype.element_ty)   # no-ops when the cache holds the query's dtype
         v = v.to(query_ptr.dtype.element_ty)
         if DOT_FP32:
@@ -145,7 +146,6 @@ def paged_attention_kernel(
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    acc = acc * v_scale
     if NUM_SPLITS == 1:
         if HAS_SINKS:   # the sink joins the denominator: rescale to max(m, sink) and add exp2(sink - max)
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
@@ -259,8 +259,9 @@ def paged_attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value
                              query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
                              config: AttentionConfig, sliding_window: Optional[int] = None,
                              softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                             k_scale: float = 1.0, v_scale: float = 1.0) -> list:
-    """The launches of one call: the attention kernel, then the split merge when config splits."""
+                             k_scale: float = 1.0) -> list:
+    """The launches of one call: the attention kernel, then the split merge when config splits (an fp8 cache's
+    v_scale is applied to the output by the caller)."""
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = context_lens.shape[0]
@@ -280,7 +281,7 @@ def paged_attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value
     score_scale = float(scale) * float(k_scale)
     args = (out, query, cache_operand(key_cache), cache_operand(value_cache), block_tables, context_lens,
             query_start_loc, part_acc, part_max, part_sum, sinks, score_scale * LOG2E, score_scale / cap, cap * LOG2E,
-            int(sliding_window or 0), num_seqs, float(v_scale),
+            int(sliding_window or 0), num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0))
