@@ -183,7 +183,8 @@ COMPACT_CASES = {
 @pytest.mark.parametrize("name", list(COMPACT_CASES))
 def test_compact_caches_match_the_dense_loop(name):
     """A cache of another dtype than the query (fp8 with scales): equal to the dense loop over the same
-    entries. NaN guards stay NaN in the compact cache, so an unmasked read still shows."""
+    entries. The NaN guards become NaN (16-bit) or out-of-range (fp8) entries that the dense loop never reads,
+    so an unmasked read still changes the result."""
     from paged_backend.kernels.kv_quant import quantize
 
     query_dtype, cache_dtype, heads, kv_heads, head_size, block_size, ctx, qlens, splits = COMPACT_CASES[name]
