@@ -134,6 +134,52 @@ def check_cache_ops(device: str = "cuda") -> List[str]:
     return failures
 
 
+COMPACT_CASES = [  # (context_lens, query_lens, heads, kv_heads, head_size, block_size, num_splits)
+    ([1, 17, 64, 300], [1, 1, 1, 1], 32, 8, 128, 16, None), ([33, 130, 7], [33, 20, 1], 8, 8, 64, 32, None),
+    ([4000, 1], [1, 1], 32, 8, 128, 16, 16), ([700, 90], [50, 1], 8, 4, 256, 16, None)]
+
+
+def check_compact_caches(device: str = "cuda", cases=COMPACT_CASES) -> List[str]:
+    """fp8 and mixed-dtype caches: reshape_and_cache writes the reference's bytes; attention over the written
+    cache equals the reference computed in fp32 on the same entries."""
+    from paged_backend.kernels import reference, triton_kernels
+
+    failures = []
+    combos = [(torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn),
+              (torch.float16, torch.float8_e5m2), (torch.float32, torch.float8_e4m3fn),
+              (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+    for query_dtype, cache_dtype in combos:
+        scales = (0.5, 2.0) if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else (1.0, 1.0)
+        for i, (ctx, qlens, heads, kv_heads, head, bs, splits) in enumerate(cases):
+            batch = make_batch(ctx, qlens, heads, kv_heads, head, bs, torch.float32, device=device, seed=100 + i)
+            slots = torch.arange(batch.key_cache.shape[0] * bs, device=device)
+            flat_k = batch.key_cache.view(-1, kv_heads, head).to(query_dtype)
+            flat_v = batch.value_cache.view(-1, kv_heads, head).to(query_dtype)
+            caches = []
+            for impl in (triton_kernels, reference):
+                kc = torch.empty(batch.key_cache.shape, dtype=cache_dtype, device=device)
+                vc = torch.empty_like(kc)
+                impl.reshape_and_cache(flat_k, flat_v, kc, vc, slots, *scales)
+                caches.append((kc, vc))
+            (kc, vc), (want_kc, want_vc) = caches
+            bits = (lambda t: t.view(torch.uint8)) if kc.element_size() == 1 else (lambda t: t.view(torch.int16))
+            written = torch.equal(bits(kc), bits(want_kc)) and torch.equal(bits(vc), bits(want_vc))
+            query = batch.query.to(query_dtype)
+            out = torch.full_like(query, float("nan"))
+            args = (query, kc, vc, batch.block_tables, batch.context_lens, batch.query_start_loc, batch.scale)
+            triton_kernels.paged_attention(*args, out=out, num_splits=splits, k_scale=scales[0], v_scale=scales[1])
+            want = reference.paged_attention(query.float(), *args[1:], k_scale=scales[0], v_scale=scales[1])
+            error = _max_error(out, want)
+            good = written and error <= TOLERANCE[query_dtype]
+            line = (f"compact cache {cache_dtype} under {query_dtype} queries, case {i} (ctx {ctx}, q {qlens}, "
+                    f"d{head}, bs{bs}, splits {splits}): bytes {'equal' if written else 'DIFFER'}, max error "
+                    f"{error:.2e} {'ok' if good else 'FAIL'}")
+            print(line, flush=True)
+            if not good:
+                failures.append(line)
+    return failures
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted), the roofline reference."""
     from triton.testing import do_bench
@@ -158,19 +204,24 @@ class DecodeTiming:
 
 
 def time_decode(batch_size: int, context: int, heads: int, kv_heads: int, head: int, block_size: int,
-                dtype: torch.dtype, with_reference: bool) -> Optional[DecodeTiming]:
-    """Time one decode step of attention (one layer); None when it does not fit in memory."""
+                dtype: torch.dtype, with_reference: bool, cache_dtype: Optional[torch.dtype] = None
+                ) -> Optional[DecodeTiming]:
+    """Time one decode step of attention (one layer); None when it does not fit in memory. `cache_dtype`: a
+    compact cache (fp8 entries are read as bytes and decoded in the kernel)."""
     from triton.testing import do_bench
 
     from paged_backend.kernels import reference, triton_kernels
     from paged_backend.kernels.triton_attention import choose_config
 
+    cache_dtype = cache_dtype or dtype
     element = torch.empty((), dtype=dtype).element_size()
-    cache_bytes = 2 * batch_size * context * kv_heads * head * element
+    cache_bytes = 2 * batch_size * context * kv_heads * head * torch.empty((), dtype=cache_dtype).element_size()
     free, _ = torch.cuda.mem_get_info()
-    if cache_bytes * (4 if with_reference else 3) > free:   # fp32 randn temporaries while building
+    if 2 * batch_size * context * kv_heads * head * 4 * (3 if with_reference else 2) > free:   # fp32 temporaries
         return None
     batch = make_batch([context] * batch_size, [1] * batch_size, heads, kv_heads, head, block_size, dtype)
+    if cache_dtype != dtype:
+        batch.key_cache, batch.value_cache = batch.key_cache.to(cache_dtype), batch.value_cache.to(cache_dtype)
     out = torch.empty_like(batch.query)
     args = batch.args()
     splits = choose_config(batch.query, batch.key_cache, batch.block_tables, None).num_splits
@@ -186,15 +237,16 @@ def time_decode(batch_size: int, context: int, heads: int, kv_heads: int, head: 
 
 
 def decode_table(copy_bw: float, heads: int, kv_heads: int, head: int, block_size: int,
-                 dtype: torch.dtype) -> List[str]:
+                 dtype: torch.dtype, cache_dtype: Optional[torch.dtype] = None) -> List[str]:
+    cache_note = "" if cache_dtype in (None, dtype) else f" over a {cache_dtype} cache"
     lines = [f"Decode attention, one layer: {heads} query heads, {kv_heads} KV heads, head size {head}, "
-             f"block size {block_size}, {dtype}; copy bandwidth {copy_bw / 1e9:.0f} GB/s.", "",
+             f"block size {block_size}, {dtype}{cache_note}; copy bandwidth {copy_bw / 1e9:.0f} GB/s.", "",
              "| batch | context | splits | Triton (us) | reference (us) | K/V+q bytes (MB) | GB/s | of copy bw |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for batch_size in BATCHES:
         for context in CONTEXTS:
             timing = time_decode(batch_size, context, heads, kv_heads, head, block_size, dtype,
-                                 with_reference=batch_size * context <= 64 * 2048)
+                                 with_reference=batch_size * context <= 64 * 2048, cache_dtype=cache_dtype)
             torch.cuda.empty_cache()
             if timing is None:
                 lines.append(f"| {batch_size} | {context} | - | skipped: not enough GPU memory | | | | |")
@@ -213,6 +265,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--skip-checks", action="store_true", help="only time")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=("float8_e4m3fn", "float8_e5m2"),
+                        help="also time decode over a compact cache of this dtype")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_kernels needs a CUDA GPU (none found); nothing was run.", file=sys.stderr)
@@ -223,12 +277,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.skip_checks:
         failures += check_cache_ops()
         failures += check_attention_cases()
+        failures += check_compact_caches()
     copy_bw = copy_bandwidth()
     dtype = getattr(torch, args.dtype)
     lines = [f"# Triton PagedAttention kernels on {name}", ""]
     lines += ["Correctness vs the reference: " + ("all checks passed" if not failures else
                                                   f"{len(failures)} FAILED: " + "; ".join(failures)), ""]
     lines += decode_table(copy_bw, 32, 8, 128, args.block_size, dtype)
+    if args.kv_cache_dtype:
+        lines += [""] + decode_table(copy_bw, 32, 8, 128, args.block_size, dtype, getattr(torch, args.kv_cache_dtype))
     report = "\n".join(lines) + "\n"
     print(report)
     if args.output:

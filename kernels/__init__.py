@@ -1,29 +1,36 @@
-"""Attention and cache kernels with one signature per op: Triton on CUDA tensors, PyTorch elsewhere.
+"""Attention, cache and sampling kernels with one signature per op: Triton on CUDA tensors, compiled C++
+kernels on CPU tensors, PyTorch elsewhere.
 
-`PAGED_BACKEND_KERNELS=triton|torch` forces one implementation (with `TRITON_INTERPRET=1`, `triton`
-runs the Triton kernels on the CPU, slowly).
+`PAGED_BACKEND_KERNELS=triton|cpp|torch` forces one implementation (with `TRITON_INTERPRET=1`,
+`triton` runs the Triton kernels on the CPU, slowly; `torch` is the pure-PyTorch reference path).
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
-from . import reference
+from . import cpu, reference
 from .reference import AttentionPlan, dense_attention, plan_paged_attention
+from .sampling import RowDraws, sample_rows
 
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "triton", "cpp", "torch")
+Plan = Union[AttentionPlan, cpu.CpuPlan]
 
 
 def kernel_backend(tensor: torch.Tensor) -> str:
-    """'triton' or 'torch' for a tensor, honouring PAGED_BACKEND_KERNELS."""
+    """'triton', 'cpp' or 'torch' for a tensor, honouring PAGED_BACKEND_KERNELS."""
     choice = os.environ.get("PAGED_BACKEND_KERNELS", "auto").strip().lower() or "auto"
     if choice not in _BACKENDS:
         raise ValueError(f"PAGED_BACKEND_KERNELS must be one of {_BACKENDS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if tensor.is_cuda and _triton_kernels() is not None else "torch"
+        if tensor.is_cuda and _triton_kernels() is not None:
+            return "triton"
+        if tensor.device.type == "cpu" and cpu.available():
+            return "cpp"
+        return "torch"
     return choice
 
 
@@ -36,8 +43,16 @@ def _triton_kernels():
 
 
 def _impl(tensor: torch.Tensor):
-    if kernel_backend(tensor) == "torch":
+    backend = kernel_backend(tensor)
+    if backend == "torch":
         return reference
+    if backend == "cpp":
+        if not cpu.available():
+            from .cpu_build import build_error
+
+            raise RuntimeError(f"PAGED_BACKEND_KERNELS=cpp but the CPU kernel cannot be built: "
+                               f"{build_error('cpu_attention')}")
+        return cpu
     kernels = _triton_kernels()
     if kernels is None:
         raise RuntimeError("PAGED_BACKEND_KERNELS=triton but the Triton kernels cannot be imported "
@@ -46,23 +61,43 @@ def _impl(tensor: torch.Tensor):
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's new K/V `[num_tokens, num_kv_heads, head_size]` into their slots."""
-    _impl(key_cache).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
+    """Write the step's new K/V `[num_tokens, num_kv_heads, head_size]` into their slots, as the cache's dtype
+    stores them (kv_quant.py: `value / scale`, saturated for fp8)."""
+    impl = _impl(key_cache)
+    (reference if impl is cpu else impl).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                                           k_scale, v_scale)
+
+
+def plan_attention(key_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, sliding_window: Optional[int] = None) -> Optional[Plan]:
+    """The per-step plan of the implementation that serves `key_cache` (None for Triton, which needs none);
+    shared by every layer of the step with the same sliding window."""
+    impl = _impl(key_cache)
+    num_blocks, block_size = key_cache.shape[:2]
+    if impl is cpu:
+        return cpu.plan_paged_attention(block_tables, context_lens, query_start_loc, block_size, num_blocks,
+                                        sliding_window)
+    if impl is reference:
+        return reference.plan_paged_attention(block_tables, context_lens, query_start_loc, block_size, sliding_window)
+    return None
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, out: Optional[torch.Tensor] = None,
-                    plan: Optional[AttentionPlan] = None, sliding_window: Optional[int] = None,
-                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    plan: Optional[Plan] = None, sliding_window: Optional[int] = None,
+                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention over a paged KV cache for decode and (chunked) prefill queries, GQA included, with an
-    optional sliding window, logit soft-cap and per-head sinks (see variant.py)."""
+    optional sliding window, logit soft-cap and per-head sinks (see variant.py). The cache may hold another
+    float dtype than the query, fp8 included (entries times k_scale / v_scale)."""
     impl = _impl(key_cache)
-    variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
-    if impl is reference:
-        return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                         query_start_loc, scale, out=out, plan=plan, **variant)
+    variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if impl is reference or impl is cpu:
+        return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                    query_start_loc, scale, out=out, plan=plan, **variant)
     return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                                 scale, out=out, **variant)
 
@@ -71,8 +106,9 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
                 block_mapping: torch.Tensor) -> None:
     """Copy blocks `src -> dst` in every layer's cache (copy-on-write)."""
     if block_mapping.numel():
-        _impl(key_caches[0]).copy_blocks(key_caches, value_caches, block_mapping)
+        impl = _impl(key_caches[0])
+        (reference if impl is cpu else impl).copy_blocks(key_caches, value_caches, block_mapping)
 
 
-__all__ = ["AttentionPlan", "copy_blocks", "dense_attention", "kernel_backend", "paged_attention",
-           "plan_paged_attention", "reshape_and_cache"]
+__all__ = ["AttentionPlan", "RowDraws", "copy_blocks", "dense_attention", "kernel_backend", "paged_attention",
+           "plan_attention", "plan_paged_attention", "reshape_and_cache", "sample_rows"]

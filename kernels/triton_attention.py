@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_fp8 import cache_operand, decode_fp8, kv_format
 from .triton_launch import Launch, is_interpreted, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -42,13 +43,15 @@ def paged_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     """Attention of one query tile x one KV head (x one context segment when NUM_SPLITS > 1).
 
     Scores in log2 units: `dot * scale * log2(e)`, or with SOFTCAP `cap * log2(e) * tanh(dot * scale / cap)`
     (`cap_log2e`, `cap_scale`). With HAS_WINDOW the row at position p sees keys p - window < j <= p; the
-    walk starts at the first row's first visible key, so table entries before it are never read."""
+    walk starts at the first row's first visible key, so table entries before it are never read. K/V tiles
+    are converted to the query's dtype as they are loaded (fp8 caches arrive as bytes, KV_FORMAT 1 / 2);
+    k_scale is folded into the score scales (v_scale multiplies the output after the launch)."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,12 +112,18 @@ def paged_attention_kernel(
         key_valid = offs_n < kv_hi
         blocks = tl.load(table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
-        k = tl.load(key_cache_ptr + blocks[None, :] * stride_kb + in_block[None, :] * stride_kt
-                    + kv_head * stride_kh + offs_d[:, None],
-                    mask=d_valid[:, None] & key_valid[None, :], other=0.0)          # [HEAD_PAD, TILE_N]
-        v = tl.load(value_cache_ptr + blocks[:, None] * stride_vb + in_block[:, None] * stride_vt
-                    + kv_head * stride_vh + offs_d[None, :],
-                    mask=key_valid[:, None] & d_valid[None, :], other=0.0)          # [TILE_N, HEAD_PAD]
+        k_ptrs = (key_cache_ptr + blocks[None, :] * stride_kb + in_block[None, :] * stride_kt
+                  + kv_head * stride_kh + offs_d[:, None])                             # [HEAD_PAD, TILE_N]
+        v_ptrs = (value_cache_ptr + blocks[:, None] * stride_vb + in_block[:, None] * stride_vt
+                  + kv_head * stride_vh + offs_d[None, :])                             # [TILE_N, HEAD_PAD]
+        if KV_FORMAT == 0:
+            k = tl.load(k_ptrs, mask=d_valid[:, None] & key_valid[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_valid[:, None] & d_valid[None, :], other=0.0)
+        else:   # fp8 bytes
+            k = decode_fp8(tl.load(k_ptrs, mask=d_valid[:, None] & key_valid[None, :], other=0), KV_FORMAT)
+            v = decode_fp8(tl.load(v_ptrs, mask=key_valid[:, None] & d_valid[None, :], other=0), KV_FORMAT)
+        k = k.to(query_ptr.dtype.element_ty)   # no-ops when the cache holds the query's dtype
+        v = v.to(query_ptr.dtype.element_ty)
         if DOT_FP32:
             k = k.to(tl.float32)
         if SOFTCAP:
@@ -220,12 +229,13 @@ def auto_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, context_b
 
 
 def attention_config(num_tokens: int, num_seqs: int, group: int, head_size: int, num_splits: int = 1,
-                     element_size: int = 2) -> AttentionConfig:
+                     element_size: int = 2, fp8_cache: bool = False) -> AttentionConfig:
     """Tiles per phase and dtype, chosen so that no variant spills registers on sm_80/sm_90.
 
     Decode batches (one token per sequence) use 16-row query tiles and long K/V tiles (bandwidth);
     prefill uses 64-row tiles (K/V reuse) with 16-token K/V tiles. fp32 (FMA dots at full
-    precision) uses smaller tiles and 8 warps. tests/test_kernels_compile.py checks for spills.
+    precision) uses smaller tiles and 8 warps. An fp8 cache is decoded through fp32 registers: its
+    half-precision decode tiles are 32 tokens long. tests/test_kernels_compile.py checks for spills.
     """
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
@@ -234,6 +244,8 @@ def attention_config(num_tokens: int, num_seqs: int, group: int, head_size: int,
     half = element_size <= 2
     if num_tokens == num_seqs:   # head sizes above 128 (Gemma's 256) need 8 warps to keep 64-token tiles
         rows, tile_n, warps = 16, (64 if half else 16), (4 if half and head_pad <= 128 else 8)
+        if fp8_cache and half:
+            tile_n = 32
     else:
         rows = (32 if head_pad > 128 else 64) if half else 16
         tile_n, warps = 16, (4 if half else 8)
@@ -246,8 +258,10 @@ def paged_attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value
                              block_tables: torch.Tensor, context_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
                              config: AttentionConfig, sliding_window: Optional[int] = None,
-                             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> list:
-    """The launches of one call: the attention kernel, then the split merge when config splits."""
+                             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                             k_scale: float = 1.0) -> list:
+    """The launches of one call: the attention kernel, then the split merge when config splits (an fp8 cache's
+    v_scale is applied to the output by the caller)."""
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = context_lens.shape[0]
@@ -264,8 +278,9 @@ def paged_attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value
     cap = float(softcap) if softcap is not None else 1.0
     # The interpreter's bf16 tl.dot gives wrong numbers: upcast its operands to fp32 there.
     dot_fp32 = is_interpreted(paged_attention_kernel) and query.dtype == torch.bfloat16
-    args = (out, query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-            part_acc, part_max, part_sum, sinks, float(scale) * LOG2E, float(scale) / cap, cap * LOG2E,
+    score_scale = float(scale) * float(k_scale)
+    args = (out, query, cache_operand(key_cache), cache_operand(value_cache), block_tables, context_lens,
+            query_start_loc, part_acc, part_max, part_sum, sinks, score_scale * LOG2E, score_scale / cap, cap * LOG2E,
             int(sliding_window or 0), num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -274,7 +289,7 @@ def paged_attention_launches(query: torch.Tensor, key_cache: torch.Tensor, value
                       BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n, NUM_SPLITS=splits,
                       DOT_FP32=dot_fp32, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
                       HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
-                      HAS_SINKS=sinks is not out)
+                      HAS_SINKS=sinks is not out, KV_FORMAT=kv_format(key_cache.dtype))
     grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     launches = [Launch(paged_attention_kernel, grid, args, constexprs, options)]
@@ -300,4 +315,4 @@ def choose_config(query: torch.Tensor, key_cache: torch.Tensor, block_tables: to
             bound = min(bound, sliding_window)
         num_splits = auto_num_splits(num_tokens, num_seqs, num_kv_heads, bound, _sm_count(query.device))
     return attention_config(num_tokens, num_seqs, num_heads // num_kv_heads, head_size, num_splits,
-                            query.element_size())
+                            query.element_size(), kv_format(key_cache.dtype) != 0)

@@ -12,18 +12,37 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import FP8_MAX, check_scales
+from .triton_fp8 import cache_operand, encode_fp8, kv_format
 from .triton_launch import Launch, next_power_of_2, tl_bits_dtype
 
 
 @triton.jit
+def _to_entries(x, inv_scale, limit, cache_ptr, KV_FORMAT: tl.constexpr, SCALED: tl.constexpr):
+    """Values -> cache entries (kv_quant.py): times 1/scale, then the cache's dtype, or saturated and encoded
+    for fp8 (whose cache arrives as bytes)."""
+    if KV_FORMAT == 0:
+        if SCALED:
+            x = x.to(tl.float32) * inv_scale
+        entries = x.to(cache_ptr.dtype.element_ty)
+    else:
+        y = x.to(tl.float32)
+        if SCALED:
+            y = y * inv_scale
+        entries = encode_fp8(tl.minimum(tl.maximum(y, -limit), limit), KV_FORMAT)
+    return entries
+
+
+@triton.jit
 def reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_inv_scale, v_inv_scale, limit,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr, SCALED: tl.constexpr,
 ):
-    """One program per new token: copy its K and V `[num_kv_heads, head_size]` into its slot.
+    """One program per new token: store its K and V `[num_kv_heads, head_size]` in its slot as cache entries
+    (fp8 caches are passed as bytes and written through `encode_fp8`).
 
     A negative slot (padding) writes nothing.
     """
@@ -38,8 +57,8 @@ def reshape_and_cache_kernel(
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :]
     v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, _to_entries(k, k_inv_scale, limit, key_cache_ptr, KV_FORMAT, SCALED), mask=mask)
+    tl.store(v_dst, _to_entries(v, v_inv_scale, limit, value_cache_ptr, KV_FORMAT, SCALED), mask=mask)
 
 
 @triton.jit
@@ -70,12 +89,15 @@ def _check_cache(name: str, cache: torch.Tensor) -> None:
 
 
 def reshape_and_cache_launch(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Launch:
+                             value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                             v_scale: float = 1.0) -> Launch:
     """Validate the inputs and describe the `reshape_and_cache` launch."""
     _check_cache("key_cache", key_cache)
     _check_cache("value_cache", value_cache)
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
+    check_scales(k_scale, v_scale)
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
+                         f"{tuple(value_cache.shape)} {value_cache.dtype} differ")
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     expected = (slot_mapping.shape[0], num_kv_heads, head_size)
     for name, tensor in (("key", key), ("value", value)):
@@ -90,19 +112,23 @@ def reshape_and_cache_launch(key: torch.Tensor, value: torch.Tensor, key_cache: 
         raise ValueError(f"slot_mapping is on {slot_mapping.device} but the cache is on {key_cache.device}")
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    args = (key, value, key_cache, value_cache, slot_mapping,
+    fmt = kv_format(key_cache.dtype)
+    args = (key, value, cache_operand(key_cache), cache_operand(value_cache), slot_mapping,
+            1.0 / float(k_scale), 1.0 / float(v_scale), FP8_MAX.get(key_cache.dtype, 0.0),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2))
     constexprs = dict(NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEADS_PAD=next_power_of_2(num_kv_heads),
-                      HEAD_PAD=next_power_of_2(head_size), BLOCK_SIZE=block_size)
+                      HEAD_PAD=next_power_of_2(head_size), BLOCK_SIZE=block_size, KV_FORMAT=fmt,
+                      SCALED=k_scale != 1.0 or v_scale != 1.0)
     return Launch(reshape_and_cache_kernel, (slot_mapping.shape[0],), args, constexprs, {"num_warps": 4})
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write `key`/`value` `[num_tokens, num_kv_heads, head_size]` into their cache slots."""
-    reshape_and_cache_launch(key, value, key_cache, value_cache, slot_mapping).run()
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
+    """Write `key`/`value` `[num_tokens, num_kv_heads, head_size]` into their cache slots (kv_quant.py)."""
+    reshape_and_cache_launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale).run()
 
 
 def copy_blocks_launch(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],

@@ -11,10 +11,12 @@ from typing import Optional
 import torch
 
 from .triton_attention import choose_config, paged_attention_launches
+from .kv_quant import FP8_MAX, check_scales
 from .triton_cache import copy_blocks, reshape_and_cache
 from .variant import check_attention_variant
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = _FLOAT_DTYPES + tuple(FP8_MAX)
 
 
 def _check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -31,9 +33,11 @@ def _check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_
         raise ValueError(f"query head_size {head_size} != cache head_size {cache_head_size}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype not in _FLOAT_DTYPES or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(f"query and caches must share one dtype of {_FLOAT_DTYPES}, got {query.dtype}, "
-                         f"{key_cache.dtype}, {value_cache.dtype}")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"query dtype must be one of {_FLOAT_DTYPES}, got {query.dtype}")
+    if key_cache.dtype not in _CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"the caches must share one dtype of {_CACHE_DTYPES}, got {key_cache.dtype} and "
+                         f"{value_cache.dtype}")
     for name, tensor in (("key_cache", key_cache), ("value_cache", value_cache)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
@@ -59,15 +63,18 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, out: Optional[torch.Tensor] = None,
                     num_splits: Optional[int] = None, sliding_window: Optional[int] = None,
-                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context,
-    optionally windowed, soft-capped and with sinks (see variant.py).
+    optionally windowed, soft-capped and with sinks (see variant.py). The cache may hold fp16, bf16, fp32 or
+    fp8 (e4m3fn / e5m2 entries times k_scale / v_scale), converted to the query's dtype as it is read.
 
     `num_splits` forces the number of split-KV segments (a power of two); None picks it from the
     batch shape (split only for decode batches too small to fill the GPU).
     """
     _check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, out)
     check_attention_variant(query.shape[1], query.device, sliding_window, softcap, sinks)
+    check_scales(k_scale, v_scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
     if out is None:
@@ -81,8 +88,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     query_start_loc = query_start_loc.to(torch.int32)
     config = choose_config(query, key_cache, block_tables, num_splits, sliding_window)
     for launch in paged_attention_launches(query, key_cache, value_cache, block_tables, context_lens,
-                                           query_start_loc, scale, out, config, sliding_window, softcap, sinks):
+                                           query_start_loc, scale, out, config, sliding_window, softcap, sinks,
+                                           k_scale):
         launch.run()
+    if v_scale != 1.0:   # outside the kernel: an extra runtime argument cost the bf16 decode kernel a spill
+        out.mul_(v_scale)
     return out
 
 

@@ -39,7 +39,8 @@ class AttentionMetadata:
     block_size: int
     kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]
     layer_of: Dict[int, int]       # id(attention module) -> cache layer
-    plans: Dict[Optional[int], kernels.AttentionPlan] = field(default_factory=dict)   # by sliding window
+    kv_scales: Optional[List[Tuple[float, float]]] = None   # per layer (K, V) scales of an fp8 cache
+    plans: Dict[Optional[int], Optional[kernels.Plan]] = field(default_factory=dict)   # by sliding window
 
 
 # Keywords transformers' attention functions receive (transformers 5.x) and how we treat them.
@@ -155,21 +156,24 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if options.sinks is not None and options.sinks.shape[0] != query.shape[1]:
         raise ValueError(f"{describe_module(module)}: s_aux has {options.sinks.shape[0]} sinks for {query.shape[1]} "
                          f"query heads (sinks are not sharded over tensor-parallel ranks)")
-    key_cache, value_cache = metadata.kv_caches[_layer_index(module, metadata)]
+    layer = _layer_index(module, metadata)
+    key_cache, value_cache = metadata.kv_caches[layer]
+    k_scale, v_scale = metadata.kv_scales[layer] if metadata.kv_scales is not None else (1.0, 1.0)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    kernels.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+    kernels.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     window = options.sliding_window
-    plan = metadata.plans.get(window)
-    if plan is None and kernels.kernel_backend(key_cache) == "torch":
-        plan = metadata.plans[window] = kernels.plan_paged_attention(
-            metadata.block_tables, metadata.context_lens, metadata.query_start_loc, metadata.block_size, window)
+    if window not in metadata.plans:
+        metadata.plans[window] = kernels.plan_attention(key_cache, metadata.block_tables, metadata.context_lens,
+                                                        metadata.query_start_loc, window)
+    plan = metadata.plans[window]
     out = kernels.paged_attention(q.contiguous(), key_cache, value_cache, metadata.block_tables,
                                   metadata.context_lens, metadata.query_start_loc, scaling, plan=plan,
-                                  sliding_window=window, softcap=options.softcap, sinks=options.sinks)
+                                  sliding_window=window, softcap=options.softcap, sinks=options.sinks,
+                                  k_scale=k_scale, v_scale=v_scale)
     return out.unsqueeze(0), None
 
 

@@ -1,5 +1,11 @@
 """The paged KV cache tensors: one `[num_blocks, block_size, num_kv_heads, head_size]` K and V per
-layer on the model's device, a host copy of the same shape for swapped blocks, and block moves."""
+layer on the model's device, a host copy of the same shape for swapped blocks, and block moves.
+
+The cache holds the model's dtype or a compact one (`kv_cache_dtype`: bfloat16, float16, fp8 e4m3 / e5m2).
+fp8 entries are `value / scale` with one K and one V scale per layer (`kv_scales`; 1.0 unless set, as in
+vLLM without calibrated scales), saturated to the format's range; attention multiplies them back. Block moves
+(swap, copy-on-write) copy the bytes, so they are exact for every dtype.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,24 @@ class KVGeometry:
         return KVGeometry(self.num_layers, max(1, self.num_kv_heads // world_size), self.head_size)
 
 
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
+              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the cache entries for a CacheConfig.kv_cache_dtype name ("auto": the model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {tuple(_KV_DTYPES)}, got {kv_cache_dtype!r}")
+    return _KV_DTYPES[kv_cache_dtype]
+
+
+def _movable(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or its bytes for fp8 (whose indexing copies PyTorch does not implement everywhere)."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.is_floating_point() else tensor
+
+
 def kv_geometry(config) -> KVGeometry:
     """Layers, KV heads and head size of a Hugging Face decoder config."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -56,6 +80,7 @@ class CacheEngine:
         self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [(self.kv[i, 0], self.kv[i, 1])
                                                                     for i in range(geometry.num_layers)]
+        self.kv_scales: List[Tuple[float, float]] = [(1.0, 1.0)] * geometry.num_layers   # fp8: (K, V) per layer
 
     def release(self) -> None:
         """Drop the device and host KV tensors (the engine is shutting down); no block can be used afterwards."""
@@ -67,13 +92,13 @@ class CacheEngine:
         """Copy device blocks to host blocks (`mapping`: device -> host)."""
         if mapping:
             src, dst = self._index(mapping, self.kv.device)
-            self.host_kv[:, :, dst.cpu()] = self.kv[:, :, src].to("cpu")
+            _movable(self.host_kv)[:, :, dst.cpu()] = _movable(self.kv)[:, :, src].to("cpu")
 
     def swap_in(self, mapping: Dict[int, int]) -> None:
         """Copy host blocks back to device blocks (`mapping`: host -> device)."""
         if mapping:
             src, dst = self._index(mapping, self.kv.device)
-            self.kv[:, :, dst] = self.host_kv[:, :, src.cpu()].to(self.kv.device, non_blocking=True)
+            _movable(self.kv)[:, :, dst] = _movable(self.host_kv)[:, :, src.cpu()].to(self.kv.device, non_blocking=True)
 
     def copy(self, pairs: Sequence[Tuple[int, int]]) -> None:
         """Copy-on-write: duplicate source blocks into destination blocks in every layer."""

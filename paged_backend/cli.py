@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional
 
+from .config import KV_CACHE_DTYPES
+
 # Subcommands that live with their front (adapters, benchmarks): module with add_parser(sub) and run(args).
 EXTERNAL_COMMANDS: Dict[str, str] = {
     "serve": "paged_backend.adapters.http.cli",
@@ -38,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-blocks", type=int, default=None, help="device KV blocks (instead of --kv-cache-memory)")
     group.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: share of free memory)")
     group.add_argument("--swap-space", default=None, help="host swap space for preempted requests, e.g. 1GiB")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="what the KV cache stores: the model's dtype (auto), a 16-bit float or fp8")
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="sequences per step (default 256, or the token budget if smaller)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
@@ -54,7 +58,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments for LLM / LLMEngine / AsyncLLMEngine from parsed engine options."""
     return dict(dtype=parse_dtype(args.dtype), device=args.device, block_size=args.block_size,
                 num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                 enable_prefix_caching=args.enable_prefix_caching,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)

@@ -13,6 +13,9 @@ _UNITS = {
 }
 
 PREEMPTION_MODES = (None, "recompute", "swap")
+# What the KV cache stores (vLLM's names): the model's dtype, a 16-bit float, or fp8 with per-tensor scales
+# ("fp8" is fp8_e4m3). cache_engine.kv_cache_torch_dtype maps them to torch dtypes.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def parse_memory(value: Union[int, float, str, None], what: str = "memory") -> Optional[int]:
@@ -36,7 +39,8 @@ def parse_memory(value: Union[int, float, str, None], what: str = "memory") -> O
 
 @dataclass
 class CacheConfig:
-    """How the paged KV cache is sized: block size, device blocks and host swap blocks."""
+    """How the paged KV cache is sized and stored: block size, device blocks, host swap blocks, and the dtype
+    of its entries (`kv_cache_dtype`: "auto" is the model's dtype)."""
 
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -48,6 +52,7 @@ class CacheConfig:
     # vLLM's meaning: the share of the device's total memory this engine may use, weights included; the KV
     # cache gets what the weights leave of it
     gpu_memory_utilization: Optional[float] = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -71,6 +76,8 @@ class CacheConfig:
             self.swap_space = parse_memory(self.swap_space, "swap_space")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .cache_engine import kv_cache_torch_dtype
 from .step_inputs import StepInputs
 from .tp_sharding import build_plan, shard_model, weights_fingerprint
 from .tp_worker import (CMD_REPORT, CMD_SHUTDOWN, HEADER_LEN, STORE_PREFIX, ProcessGroupComm, RankState,
@@ -181,6 +182,7 @@ class TensorParallelRunner:
         self._failure: Optional[str] = None
         setup = self._setup(model, geometry, kv_size, config.cache.block_size, dtype, model_name,
                             trust_remote_code)
+        setup.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
         try:
             self._start(setup)
             shard = model if model_name is not None else copy.deepcopy(model)

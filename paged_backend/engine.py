@@ -10,7 +10,7 @@ import torch
 
 from .beam_search import BeamSearchState
 from .block_manager import BlockManager
-from .cache_engine import CacheEngine, KVGeometry, kv_geometry
+from .cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
 from .config import EngineConfig
 from .detokenizer import stop_string_in_candidate
 from .errors import EngineDeadError, InvalidRequest
@@ -128,7 +128,8 @@ class LLMEngine:
                                           trust_remote_code=self._trust_remote_code)
             return runner
         cache = CacheEngine(self.geometry, self.config.cache.block_size, self.kv_size.num_blocks,
-                            self.kv_size.num_swap_blocks, self.dtype, self.device)
+                            self.kv_size.num_swap_blocks,
+                            kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype), self.device)
         return ModelRunner(self.model, cache)
 
     # ---- requests ----------------------------------------------------------------------------

@@ -63,7 +63,7 @@ class ModelRunner:
         metadata = AttentionMetadata(
             slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, context_lens=inputs.context_lens,
             query_start_loc=inputs.query_start_loc, block_size=self.cache_engine.block_size,
-            kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of)
+            kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of, kv_scales=self.cache_engine.kv_scales)
         # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
         # inference tensors forbid outside inference mode.
         with torch.no_grad(), attention_context(metadata), self._paged_attention():

@@ -4,6 +4,11 @@ Order of processing follows Hugging Face's logits processors: penalties and min-
 then temperature, top-k, top-p, min-p. Logits are handled in float32 (as transformers' `generate`
 does), so greedy and beam decisions match it. Rows with a `seed` draw from their own generator, so a
 seeded request gives the same tokens whatever else shares the batch.
+
+Truncation and the draws are `kernels.sample_rows` (see kernels/sampling.py): no row is sorted, the
+draw's cumulative sum covers only the kept tokens, and a greedy row costs its argmax and one
+log-sum-exp (its token's log-probability is part of every output). Full log-softmax rows are computed
+only for the rows that ask for top logprobs or scores, and only over their kept tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from . import kernels
 from .logits_processors import ProcessorRow, apply_logits_processors
 from .structured_matcher import GrammarMasker
 from .sampling_params import SamplingParams
@@ -77,37 +83,21 @@ def _grammar_complete(seq: Sequence) -> bool:
     return seq.grammar is not None and seq.grammar.is_completed
 
 
-def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
-    """Top-k, top-p and min-p (HF semantics) on rows sorted in descending order."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], NEG_INF)
-    probs = sorted_logits.softmax(-1)
-    sorted_logits = sorted_logits.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], NEG_INF)
-    probs = sorted_logits.softmax(-1)
-    sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], NEG_INF)
-    return torch.full_like(logits, NEG_INF).scatter_(1, order, sorted_logits)
-
-
-def process_logits(logits: torch.Tensor, requests: List[SampleRequest],
-                   masker: Optional[GrammarMasker] = None) -> torch.Tensor:
-    """Penalties, processors, grammar masks, temperature and truncation: the scores sampling draws from."""
-    logits = apply_penalties(logits, requests, masker)
-    temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in requests],
-                         device=logits.device, dtype=logits.dtype)
-    if bool((temps != 1.0).any()):
-        logits = logits / temps[:, None]
-    needs_filter = [i for i, r in enumerate(requests) if not r.params.is_greedy and
-                    (r.params.top_k != -1 or r.params.top_p < 1.0 or r.params.min_p > 0.0)]
-    if needs_filter:
-        vocab = logits.shape[1]
-        reqs = [requests[i].params for i in needs_filter]
-        top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in reqs], device=logits.device)
-        top_p = torch.tensor([p.top_p for p in reqs], device=logits.device, dtype=logits.dtype)
-        min_p = torch.tensor([p.min_p for p in reqs], device=logits.device, dtype=logits.dtype)
-        rows = torch.tensor(needs_filter, device=logits.device)
-        logits[rows] = _filter_sorted(logits[rows], top_k, top_p, min_p)
+def apply_temperature(logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
+    """Divide sampled rows by their temperature, in place (greedy rows are left as they are)."""
+    temps = [1.0 if r.params.is_greedy else r.params.temperature for r in requests]
+    if any(t != 1.0 for t in temps):
+        logits.div_(torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None])
     return logits
+
+
+def truncation_params(requests: List[SampleRequest]) -> tuple:
+    """Per row: top_k (-1: none), top_p, min_p and whether the row is greedy, as tensors."""
+    top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float64)
+    min_p = torch.tensor([r.params.min_p for r in requests], dtype=torch.float64)
+    greedy = torch.tensor([r.params.is_greedy for r in requests], dtype=torch.bool)
+    return top_k, top_p, min_p, greedy
 
 
 class Sampler:
@@ -129,68 +119,62 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: List[SampleRequest]) -> List[SampleResult]:
         raw = logits.to(torch.float32)
         keep_raw = any(r.params.output_scores for r in requests)
-        scores = process_logits(raw.clone() if keep_raw else raw, requests, self._masker_for(logits, requests))
-        tokens = self._draw(scores, requests)
-        greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
-        if greedy:
-            best = (scores if len(greedy) == len(requests) else scores[greedy]).argmax(dim=-1).tolist()
-            for i, token in zip(greedy, best):
-                tokens[i] = [token] * requests[i].num_samples
-        logprobs = torch.log_softmax(scores, dim=-1)  # (faster on the CPU than torch.logsumexp alone)
-        rows = torch.tensor([i for i in range(len(requests)) for _ in tokens[i]], device=scores.device)
-        picked = torch.tensor([t for i in range(len(requests)) for t in tokens[i]], device=scores.device)
-        flat_lps = logprobs[rows, picked].tolist()
-        results, start = [], 0
+        scores = apply_penalties(raw.clone() if keep_raw else raw, requests, self._masker_for(logits, requests))
+        scores = apply_temperature(scores, requests)
+        uniforms, offsets = self._uniforms(requests)
+        draws = kernels.sample_rows(scores, *truncation_params(requests), uniforms, offsets)
+        tokens, token_lps = draws.tokens.tolist(), draws.logprobs.tolist()
+        results = []
         for i, req in enumerate(requests):
-            token_lps = flat_lps[start:start + len(tokens[i])]
-            start += len(tokens[i])
-            top = None
+            row_tokens = tokens[int(offsets[i]):int(offsets[i + 1])]
+            row_lps = token_lps[int(offsets[i]):int(offsets[i + 1])]
+            result = SampleResult(row_tokens, row_lps)
             if req.params.logprobs is not None:
-                top = [self._top_logprobs(logprobs[i], t, lp, req.params.logprobs)
-                       for t, lp in zip(tokens[i], token_lps)]
-            result = SampleResult(tokens[i], token_lps, top)
+                top = self._top_logprobs(scores[i], int(draws.kept[i]), float(draws.log_norm[i]), req.params.logprobs)
+                result.top_logprobs = [{**top, t: lp} for t, lp in zip(row_tokens, row_lps)]
             if req.params.output_scores:
-                result.scores, result.logits = scores[i].clone(), raw[i].clone()
+                result.scores = self._kept_scores(scores[i], int(draws.kept[i]))
+                result.logits = raw[i].clone()
             results.append(result)
         return results
 
     @staticmethod
-    def _top_logprobs(row: torch.Tensor, token: int, logprob: float, k: int) -> Dict[int, float]:
-        top: Dict[int, float] = {}
-        if k:
-            values, ids = row.topk(min(k, row.shape[0]))
-            top = dict(zip(ids.tolist(), values.tolist()))
-        top[token] = logprob
-        return top
+    def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, float]:
+        """The k most likely kept tokens and their log-probabilities under the truncated distribution."""
+        if not k:
+            return {}
+        values, ids = row.topk(min(k, kept))
+        return dict(zip(ids.tolist(), (values.double() - log_norm).tolist()))
 
-    def _draw(self, scores: torch.Tensor, requests: List[SampleRequest]) -> Dict[int, List[int]]:
-        """Random draws for sampled rows, seeded rows from their own generator.
+    @staticmethod
+    def _kept_scores(row: torch.Tensor, kept: int) -> torch.Tensor:
+        """The row as sampling saw it: the kept tokens' scores, -inf elsewhere (output_scores)."""
+        if kept >= row.shape[0]:
+            return row.clone()
+        values, ids = row.topk(kept)
+        return torch.full_like(row, NEG_INF).scatter_(0, ids, values)
 
-        Inverse-CDF sampling: one uniform number per draw against the row's cumulative probabilities
-        (in float64, so that rare tokens keep their exact share); far cheaper on a large vocabulary than
-        torch.multinomial, which spends tens of milliseconds per step on the CPU.
-        """
-        drawn: Dict[int, List[int]] = {}
+    def _uniforms(self, requests: List[SampleRequest]):
+        """One float64 uniform per draw of every sampled row (greedy rows get zeros, unused), drawn in the
+        order the previous inverse-CDF sampler drew them: one batch from the engine's generator for the
+        unseeded single-sample rows, then each other row from its own generator (or the engine's). A seeded
+        row's draws therefore never depend on the rest of the batch."""
+        counts = [r.num_samples for r in requests]
+        offsets = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)
+        uniforms = torch.zeros(int(offsets[-1]), dtype=torch.float64)
         sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
-        if not sampled:
-            return drawn
-        cdf = scores[sampled].softmax(-1).to("cpu", torch.float64).cumsum(-1)
-        last = cdf.shape[1] - 1
-        shared = [row for row, i in enumerate(sampled) if requests[i].generator is None
-                  and requests[i].num_samples == 1]
+        shared = [i for i in sampled if requests[i].generator is None and requests[i].num_samples == 1]
         if shared:
-            rows = cdf[shared]
-            u = torch.rand(len(shared), 1, generator=self.generator, dtype=torch.float64) * rows[:, -1:]
-            tokens = torch.searchsorted(rows, u, right=True).clamp_(max=last)
-            for row, token in zip(shared, tokens[:, 0].tolist()):
-                drawn[sampled[row]] = [token]
-        for row, i in enumerate(sampled):
-            if i in drawn:
+            u = torch.rand(len(shared), 1, generator=self.generator, dtype=torch.float64)[:, 0]
+            uniforms[offsets[torch.tensor(shared)]] = u
+        shared_rows = set(shared)
+        for i in sampled:
+            if i in shared_rows:
                 continue
             req = requests[i]
             u = torch.rand(req.num_samples, generator=req.generator or self.generator, dtype=torch.float64)
-            drawn[i] = torch.searchsorted(cdf[row], u * cdf[row, -1], right=True).clamp_(max=last).tolist()
-        return drawn
+            uniforms[int(offsets[i]):int(offsets[i + 1])] = u
+        return uniforms, offsets
 
     def beam_log_probs(self, logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
         """HF beam search scores: log-softmax first, then the processors applied to the log-probs."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_engine import KVGeometry
+from .cache_engine import KVGeometry, kv_cache_torch_dtype
 from .config import CacheConfig
 
 _GIB = 2**30
@@ -75,9 +75,10 @@ def default_kv_cache_bytes(device: torch.device) -> int:
 def size_kv_cache(cache: CacheConfig, geometry: KVGeometry, dtype: torch.dtype, device: torch.device,
                   tensor_parallel_size: int = 1, model_bytes: int = 0) -> KVCacheSize:
     """Blocks from num_blocks, kv_cache_memory (bytes per rank), gpu_memory_utilization (a share of the
-    device's memory, less the `model_bytes` of weights on it) or the default share of free memory."""
+    device's memory, less the `model_bytes` of weights on it) or the default share of free memory. `dtype` is
+    the model's; a block costs what `cache.kv_cache_dtype` stores (a compact dtype fits 2-4x the tokens)."""
     per_rank = geometry.shard(tensor_parallel_size) if tensor_parallel_size > 1 else geometry
-    bytes_per_block = per_rank.bytes_per_block(cache.block_size, dtype)
+    bytes_per_block = per_rank.bytes_per_block(cache.block_size, kv_cache_torch_dtype(cache.kv_cache_dtype, dtype))
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:

@@ -60,6 +60,7 @@ class WorkerSetup:
     num_swap_blocks: int
     timeout_s: float
     fingerprint: Optional[str]         # rank 0's weight fingerprint before sharding (named models)
+    kv_dtype: Optional[torch.dtype] = None   # what the KV cache stores (None: the model's dtype)
 
     def device_for(self, rank: int, local_rank: Optional[int]) -> torch.device:
         if self.device_type == "cpu":
@@ -127,7 +128,7 @@ class RankState:
         self.rank = rank
         geometry = setup.geometry.shard(setup.world_size)
         self.cache = CacheEngine(geometry, setup.block_size, setup.num_blocks, setup.num_swap_blocks,
-                                 setup.dtype, device)
+                                 setup.kv_dtype or setup.dtype, device)
         self.runner = ModelRunner(model_shard, self.cache)
         self.digests: deque = deque(maxlen=MAX_DIGESTS)
         self.chain = hashlib.blake2b(digest_size=16)

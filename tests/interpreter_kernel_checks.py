@@ -15,7 +15,7 @@ import torch
 
 from kernel_inputs import BASE_SEED, case_seed, make_paged_inputs, nan_like, variant_kwargs
 from paged_backend import LLM, SamplingParams, kernels
-from paged_backend.kernels import reference, triton_kernels
+from paged_backend.kernels import cpu, reference, triton_kernels
 from paged_backend.kernels.triton_attention import attention_config, auto_num_splits, paged_attention_kernel
 from paged_backend.kernels.triton_launch import is_interpreted
 
@@ -168,6 +168,67 @@ def test_copy_blocks_matches_reference(dtype):
         assert torch.equal(got, want)
 
 
+COMPACT_CASES = {
+    # name: (query dtype, cache dtype, num_heads, num_kv_heads, head_size, block_size, context_lens, query_lens,
+    #        num_splits)
+    "decode-e4m3-fp32": (torch.float32, torch.float8_e4m3fn, 6, 2, 32, 8, [1, 20, 41], [1, 1, 1], 1),
+    "mixed-e4m3-fp16": (torch.float16, torch.float8_e4m3fn, 8, 2, 64, 16, [1, 40, 32, 19], [1, 7, 1, 19], 1),
+    "mixed-e5m2-bf16": (torch.bfloat16, torch.float8_e5m2, 4, 4, 16, 8, [23, 48, 1], [23, 9, 1], 1),
+    "decode-split2-e5m2-fp32": (torch.float32, torch.float8_e5m2, 4, 1, 16, 16, [70, 3], [1, 1], 2),
+    "mixed-bf16cache-fp32": (torch.float32, torch.bfloat16, 6, 2, 32, 16, [16, 5, 33], [16, 5, 1], 1),
+    "decode-fp16cache-bf16": (torch.bfloat16, torch.float16, 8, 2, 64, 32, [64, 3, 100], [1, 1, 1], 1),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPACT_CASES))
+def test_compact_caches_match_the_dense_loop(name):
+    """A cache of another dtype than the query (fp8 with scales): equal to the dense loop over the same
+    entries. The NaN guards become NaN (16-bit) or out-of-range (fp8) entries that the dense loop never reads,
+    so an unmasked read still changes the result."""
+    from paged_backend.kernels.kv_quant import quantize
+
+    query_dtype, cache_dtype, heads, kv_heads, head_size, block_size, ctx, qlens, splits = COMPACT_CASES[name]
+    inputs = make_paged_inputs(case_seed("compact", name), torch.float32, heads, kv_heads, head_size, block_size,
+                               ctx, qlens)
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else (1.0, 1.0)
+    query = inputs.query.to(query_dtype)
+    key_cache = quantize(inputs.key_cache, cache_dtype, k_scale)
+    value_cache = quantize(inputs.value_cache, cache_dtype, v_scale)
+    args = (query, key_cache, value_cache, inputs.block_tables, inputs.context_lens, inputs.query_start_loc,
+            inputs.scale)
+    out = triton_kernels.paged_attention(*args, out=nan_like(query), num_splits=splits, k_scale=k_scale,
+                                         v_scale=v_scale)
+    want = reference.dense_attention(query.double(), *args[1:], k_scale=k_scale, v_scale=v_scale)
+    rtol, atol = TOLERANCE[query_dtype]
+    assert not out.isnan().any(), f"{name}: NaN in the output (seed {BASE_SEED})"
+    torch.testing.assert_close(out.double(), want, rtol=rtol, atol=atol, msg=lambda m: f"{name} ({BASE_SEED}): {m}")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_reshape_and_cache_encodes_fp8_as_pytorch_does(cache_dtype):
+    """Every finite value of the format, the midpoints between neighbours (ties to even), values beyond the
+    range (saturated), tiny and signed zeros, random magnitudes: the bytes equal kv_quant.quantize's."""
+    from paged_backend.kernels.kv_quant import FP8_MAX, quantize
+
+    limit = FP8_MAX[cache_dtype]
+    every = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
+    finite = every[torch.isfinite(every) & (every.abs() <= limit)].sort().values
+    gen = torch.Generator().manual_seed(case_seed("fp8-encode", cache_dtype))
+    noise = torch.randn(2000, generator=gen) * torch.logspace(-10, 5, 2000)
+    values = torch.cat([finite, (finite[1:] + finite[:-1]) / 2, noise,
+                        torch.tensor([0.0, -0.0, 3 * limit, -3 * limit, 1e-30, -1e-30])])
+    values = torch.cat([values, torch.zeros(-values.numel() % 512)])   # tokens of 8 heads x 64 (few programs)
+    key = values.view(-1, 8, 64)
+    tokens = key.shape[0]
+    for scale in (1.0, 0.37):
+        key_cache = torch.zeros(tokens, 1, 8, 64, dtype=cache_dtype)
+        value_cache = torch.zeros_like(key_cache)
+        triton_kernels.reshape_and_cache(key, -key, key_cache, value_cache, torch.arange(tokens), scale, scale)
+        for cache, sign in ((key_cache, 1), (value_cache, -1)):
+            want = quantize(sign * key, cache_dtype, scale).view(tokens, 1, 8, 64)
+            assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)), f"scale {scale} ({BASE_SEED})"
+
+
 def test_dispatch_honours_the_environment(monkeypatch):
     inputs = make_paged_inputs(case_seed("dispatch"), torch.float32, 4, 2, 16, 8, [9, 1], [2, 1])
     calls = []
@@ -188,7 +249,7 @@ def test_dispatch_honours_the_environment(monkeypatch):
     assert calls == [1, 1]
     _check_against_reference(inputs, out, torch.float32, "dispatch with a window, a cap and sinks", **variant)
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "auto")
-    assert kernels.kernel_backend(inputs.key_cache) == "torch"   # CPU tensors
+    assert kernels.kernel_backend(inputs.key_cache) == ("cpp" if cpu.available() else "torch")   # CPU tensors
     monkeypatch.setenv("PAGED_BACKEND_KERNELS", "cuda")
     with pytest.raises(ValueError, match="PAGED_BACKEND_KERNELS"):
         kernels.kernel_backend(inputs.key_cache)
@@ -205,8 +266,12 @@ def test_bad_inputs_raise_value_errors():
         triton_kernels.paged_attention(q[..., :8].contiguous(), kc, vc, bt, cl, qsl, scale)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         triton_kernels.paged_attention(q[:, :3].contiguous(), kc, vc, bt, cl, qsl, scale)
+    with pytest.raises(ValueError, match="query dtype"):
+        triton_kernels.paged_attention(q.double(), kc, vc, bt, cl, qsl, scale)
     with pytest.raises(ValueError, match="dtype"):
-        triton_kernels.paged_attention(q.half(), kc, vc, bt, cl, qsl, scale)
+        triton_kernels.paged_attention(q, kc, vc.half(), bt, cl, qsl, scale)
+    with pytest.raises(ValueError, match="k_scale"):
+        triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl, scale, k_scale=0.0)
     with pytest.raises(ValueError, match="query_start_loc"):
         triton_kernels.paged_attention(q, kc, vc, bt, cl, qsl[:-1], scale)
     with pytest.raises(ValueError, match="num_splits"):

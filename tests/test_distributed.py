@@ -188,6 +188,8 @@ CONFIGS = {
     "llama-swap": ("tiny-llama", 1, dict(preemption_mode="swap", num_swap_blocks=64)),
     "opt-recompute-prefix": ("tiny-opt", 2, dict(preemption_mode="recompute", enable_prefix_caching=True)),
     "opt-swap": ("tiny-opt", 2, dict(preemption_mode="swap", num_swap_blocks=64)),
+    # every rank stores its heads in fp8 (the kv dtype reaches the workers; swaps move fp8 bytes)
+    "llama-swap-fp8": ("tiny-llama", 1, dict(preemption_mode="swap", num_swap_blocks=64, kv_cache_dtype="fp8_e4m3")),
 }
 BLOCK, NUM_BLOCKS = 4, 22
 

@@ -57,6 +57,19 @@ VARIANT_CASES = {
 }
 
 
+# Compact caches: fp8 (read as bytes, decoded in the kernel) and a cache dtype other than the query's.
+KV_DTYPE_CASES = {
+    # name: (query dtype, cache dtype, num_heads, num_kv_heads, head_size, block_size, phase, num_splits)
+    "decode-e4m3-fp16-d128-bs16-gqa4": (torch.float16, torch.float8_e4m3fn, 32, 8, 128, 16, "decode", 1),
+    "prefill-e4m3-bf16-d128-bs16-gqa4": (torch.bfloat16, torch.float8_e4m3fn, 32, 8, 128, 16, "prefill", 1),
+    "decode-split4-e5m2-bf16-d64-bs16": (torch.bfloat16, torch.float8_e5m2, 9, 3, 64, 16, "decode", 4),
+    "prefill-e5m2-fp16-d256-bs16-gqa2": (torch.float16, torch.float8_e5m2, 8, 4, 256, 16, "prefill", 1),
+    "decode-e4m3-fp32-d128-bs32-gqa8": (torch.float32, torch.float8_e4m3fn, 32, 4, 128, 32, "decode", 1),
+    "decode-bf16cache-fp32-d64-bs16": (torch.float32, torch.bfloat16, 9, 3, 64, 16, "decode", 1),
+    "prefill-fp16cache-bf16-d128-bs16": (torch.bfloat16, torch.float16, 32, 8, 128, 16, "prefill", 1),
+}
+
+
 def _variant_kwargs(variant: str, num_heads: int) -> dict:
     kwargs = {}
     if "window" in variant or variant == "all":
@@ -69,10 +82,10 @@ def _variant_kwargs(variant: str, num_heads: int) -> dict:
 
 
 def _attention_launches(dtype, heads, kv_heads, head_size, block_size, phase, splits, num_seqs=4, table_width=2,
-                        **variant):
+                        cache_dtype=None, **variant):
     num_tokens = num_seqs if phase == "decode" else 96
     query = torch.zeros(num_tokens, heads, head_size, dtype=dtype)
-    cache = torch.zeros(8, block_size, kv_heads, head_size, dtype=dtype)
+    cache = torch.zeros(8, block_size, kv_heads, head_size, dtype=cache_dtype or dtype)
     block_tables = torch.zeros(num_seqs, table_width, dtype=torch.int32)
     context_lens = torch.ones(num_seqs, dtype=torch.int32)
     query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
@@ -125,15 +138,27 @@ else:
         _compile_all(launches, capability, max_stack_bytes=32 if shape[0] == torch.float32 else 0)
 
     @pytest.mark.parametrize("capability", TARGETS)
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-    def test_reshape_and_cache_compiles(dtype, capability):
-        cache = torch.zeros(4, 16, 3, 80, dtype=dtype)
-        key = torch.zeros(3, 5, 80, dtype=dtype).transpose(0, 1)
-        slots = torch.zeros(5, dtype=torch.long)
-        _compile_all([triton_cache.reshape_and_cache_launch(key, key, cache, cache, slots)], capability)
+    @pytest.mark.parametrize("name", list(KV_DTYPE_CASES))
+    def test_attention_over_compact_caches_compiles(name, capability):
+        query_dtype, cache_dtype, *shape = KV_DTYPE_CASES[name]
+        launches = _attention_launches(query_dtype, *shape, cache_dtype=cache_dtype, k_scale=0.5)
+        assert launches[0].constexprs["KV_FORMAT"] == {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}.get(cache_dtype, 0)
+        _compile_all(launches, capability, max_stack_bytes=32 if query_dtype == torch.float32 else 0)
 
     @pytest.mark.parametrize("capability", TARGETS)
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+    @pytest.mark.parametrize("dtype, cache_dtype", [
+        (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2),
+        (torch.float32, torch.float8_e4m3fn)], ids=str)
+    def test_reshape_and_cache_compiles(dtype, cache_dtype, capability):
+        cache = torch.zeros(4, 16, 3, 80, dtype=cache_dtype)
+        key = torch.zeros(3, 5, 80, dtype=dtype).transpose(0, 1)
+        slots = torch.zeros(5, dtype=torch.long)
+        scale = 0.5 if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 1.0
+        _compile_all([triton_cache.reshape_and_cache_launch(key, key, cache, cache, slots, scale, scale)], capability)
+
+    @pytest.mark.parametrize("capability", TARGETS)
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=str)
     def test_copy_blocks_compiles(dtype, capability):
         caches = [torch.zeros(4, 16, 2, 64, dtype=dtype) for _ in range(2)]
         mapping = torch.tensor([[0, 1]])

@@ -20,7 +20,9 @@ def test_wheel_contains_and_imports_every_package(tmp_path):
                     "-w", str(tmp_path / "dist"), str(ROOT)], check=True, timeout=600, cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("paged_backend-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for path in ("paged_backend/kernels/triton_attention.py", "paged_backend/adapters/http/tgi_routes.py",
+    for path in ("paged_backend/kernels/triton_attention.py", "paged_backend/kernels/cpu_attention.cpp",
+                 "paged_backend/kernels/cpu_sampler.cpp", "paged_backend/kernels/cpu_vector.h",
+                 "paged_backend/adapters/http/tgi_routes.py",
                  "paged_backend/adapters/triton/model.py", "paged_backend/adapters/hf/runner.py",
                  "paged_backend/request_params.py", "paged_backend/benchmarks/waste.py"):
         assert path in names

@@ -1,0 +1,145 @@
+"""Paged attention for CPU tensors through the compiled kernel (`cpu_attention.cpp`): it reads the paged
+cache in place, with no gathered copy and no padding to the longest sequence.
+
+Same signature as `reference.paged_attention` plus the fp8 scales. Queries of any float dtype are
+computed in float32 (float64 queries in float64, for exact comparisons); the cache may hold float32,
+float64, float16, bfloat16 or fp8 (e4m3fn, e5m2, multiplied by `k_scale` / `v_scale` as it is read).
+A `CpuPlan` holds the step's metadata as int64 once for all layers and checks, once, that every
+table entry the kernel will read points into the cache, so a bad table is a ValueError and never a
+read outside the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .cpu_build import build_error, load_library
+from .kv_quant import check_scales
+from .variant import check_attention_variant
+
+CACHE_TYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
+               torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
+QUERY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def available() -> bool:
+    """True when the kernel library is (or can be) built on this machine."""
+    return load_library("cpu_attention") is not None
+
+
+@dataclass
+class CpuPlan:
+    """The step's metadata as contiguous int64 CPU tensors, checked against one cache size and window."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_blocks: int
+    block_size: int
+    num_query_rows: int
+    sliding_window: Optional[int] = None
+
+
+def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         block_size: int, num_blocks: int, sliding_window: Optional[int] = None) -> CpuPlan:
+    """Convert and validate the step's metadata once (ValueError on anything the kernel cannot read)."""
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    starts = query_start_loc.to(torch.int64).contiguous()
+    num_seqs = lens.shape[0]
+    if tables.dim() != 2 or tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(tables.shape)}")
+    if starts.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {tuple(starts.shape)}")
+    if num_seqs:
+        q_lens = starts[1:] - starts[:-1]
+        if int(starts[0]) != 0 or bool((q_lens < 0).any()):
+            raise ValueError("query_start_loc must start at 0 and never decrease")
+        if bool((lens < q_lens).any()) or bool((lens > tables.shape[1] * block_size).any()):
+            raise ValueError("each context length must cover its new tokens and fit in its block-table row")
+        first = (lens - q_lens).clamp(min=0)
+        if sliding_window is not None:
+            first = (first - sliding_window + 1).clamp(min=0)
+        columns = torch.arange(tables.shape[1])
+        read = (columns[None, :] >= (first // block_size)[:, None]) & (columns[None, :] * block_size < lens[:, None])
+        read &= (q_lens > 0)[:, None]
+        if bool((read & ((tables < 0) | (tables >= num_blocks))).any()):
+            raise ValueError(f"a block-table entry the attention reads is outside the cache of {num_blocks} blocks")
+    return CpuPlan(tables, lens, starts, num_blocks, block_size, int(starts[-1]), sliding_window)
+
+
+def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  out: Optional[torch.Tensor]) -> None:
+    if query.dim() != 3 or query.dtype not in QUERY_DTYPES:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size] of {QUERY_DTYPES}, "
+                         f"got {tuple(query.shape)} {query.dtype}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_size] "
+                         f"of one dtype, got {tuple(key_cache.shape)} {key_cache.dtype} and "
+                         f"{tuple(value_cache.shape)} {value_cache.dtype}")
+    if key_cache.dtype not in CACHE_TYPES:
+        raise ValueError(f"cache dtype {key_cache.dtype} is not one of {tuple(CACHE_TYPES)}")
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_size or num_heads % num_kv_heads:
+        raise ValueError(f"query [*, {num_heads}, {head_size}] does not fit the cache's {num_kv_heads} KV heads "
+                         f"of size {key_cache.shape[3]}")
+    for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{name} is on {tensor.device}; the compiled kernel runs on CPU tensors")
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the caches must be contiguous in their last (head_size) dimension")
+    if out is not None and (out.shape != query.shape or out.device.type != "cpu"):
+        raise ValueError(f"out must be a CPU tensor shaped like query {tuple(query.shape)}")
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, out: Optional[torch.Tensor] = None, plan: Optional[CpuPlan] = None,
+                    sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Attention of `query` `[num_tokens, num_heads, head_size]` over each sequence's paged context (see
+    reference.paged_attention for the semantics), computed by the compiled kernel."""
+    library = load_library("cpu_attention")
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is not available: {build_error('cpu_attention')}")
+    _check_inputs(query, key_cache, value_cache, out)
+    check_attention_variant(query.shape[1], query.device, sliding_window, softcap, sinks)
+    check_scales(k_scale, v_scale)
+    if plan is None:
+        plan = plan_paged_attention(block_tables, context_lens, query_start_loc, key_cache.shape[1],
+                                    key_cache.shape[0], sliding_window)
+    elif plan.sliding_window != sliding_window:
+        raise ValueError(f"the plan was built for sliding_window={plan.sliding_window}, "
+                         f"this call has sliding_window={sliding_window}")
+    elif plan.block_size != key_cache.shape[1] or plan.num_blocks != key_cache.shape[0]:
+        raise ValueError("the plan was built for a cache of another shape")
+    if plan.num_query_rows > query.shape[0]:
+        raise ValueError(f"query_start_loc covers {plan.num_query_rows} query rows, the query has {query.shape[0]}")
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query.to(acc_dtype).contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    direct = out.dtype == acc_dtype and out.is_contiguous()
+    result = out if direct else torch.empty_like(q)
+    if q.shape[0]:
+        sink_logits = None if sinks is None else sinks.to(acc_dtype).contiguous()
+        k_strides = torch.tensor(key_cache.stride()[:3], dtype=torch.int64)
+        v_strides = torch.tensor(value_cache.stride()[:3], dtype=torch.int64)
+        function = library.paged_attention_f64 if acc_dtype == torch.float64 else library.paged_attention_f32
+        status = function(
+            q.data_ptr(), result.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), k_strides.data_ptr(),
+            v_strides.data_ptr(), plan.block_tables.data_ptr(), plan.block_tables.shape[1],
+            plan.context_lens.data_ptr(), plan.query_start_loc.data_ptr(), plan.context_lens.shape[0],
+            query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1],
+            CACHE_TYPES[key_cache.dtype], float(scale) * float(k_scale), float(v_scale),
+            int(sliding_window or 0), float(softcap or 0.0),
+            None if sink_logits is None else sink_logits.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"the CPU attention kernel failed with status {status}")
+    if not direct:
+        out.copy_(result)
+    return out

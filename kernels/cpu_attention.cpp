@@ -1,0 +1,485 @@
+// Paged attention on the CPU that reads the paged KV cache in place (no gathered copy, no padding).
+//
+// Built at first use by kernels/cpu_build.py (plain C++17 and OpenMP, no PyTorch headers) and called
+// through ctypes (kernels/cpu.py). One work item is a query tile (up to kQueryTile new tokens of one
+// sequence) with all its heads, so every K/V row the tile sees is read from the cache once, in the cache's
+// own order (a block's slots and heads are contiguous). For each tile of keys the item computes the scores
+// of all its rows (dot products for decode, a transposed-K micro-kernel for prefill), then updates an online softmax
+// (running max m, sum l, unnormalised accumulator acc), as flash attention does. Scores, softmax and
+// the accumulator are in Acc (float, or double for float64 queries); cache rows of another type
+// (float16, bfloat16, fp8) are converted row by row into a small buffer. The per-tensor fp8 scales are
+// folded into the query (k_scale) and the output (v_scale). The semantics (causal over the new
+// tokens, sliding window, soft-cap, sinks) are those of kernels/variant.py.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_vector.h"
+
+namespace {
+
+using namespace cpu_kernels;
+
+enum CacheType : int64_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kE4M3 = 4, kE5M2 = 5 };
+
+constexpr int64_t kKeyTile = 32;     // keys per softmax update
+constexpr int64_t kQueryTile = 16;   // query tokens per work item (prefill chunks)
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+// IEEE half -> float, subnormals included: shift the exponent and mantissa into float position, then
+// rebias with one exact multiplication (2^(127-15)); infinities and NaNs keep an all-ones exponent.
+inline float half_to_float(uint16_t h) {
+  uint32_t magnitude = h & 0x7fffu;
+  uint32_t bits = float_to_bits(bits_to_float(magnitude << 13) * 0x1.0p112f);
+  if (magnitude >= 0x7c00u) bits = (magnitude << 13) | 0x7f800000u;
+  return bits_to_float(bits | (uint32_t(h & 0x8000u) << 16));
+}
+
+inline float bfloat16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+// fp8 decoding tables (OCP e4m3fn: bias 7, no infinities, 0x7f is NaN; e5m2: bias 15, IEEE-like).
+struct Fp8Tables {
+  float e4m3[256];
+  float e5m2[256];
+  Fp8Tables() {
+    for (uint32_t x = 0; x < 256; ++x) {
+      uint32_t magnitude = x & 0x7fu, sign = (x & 0x80u) << 24;
+      float v = bits_to_float(magnitude << 20) * 0x1.0p120f;
+      e4m3[x] = magnitude == 0x7fu ? std::numeric_limits<float>::quiet_NaN() : bits_to_float(float_to_bits(v) | sign);
+      uint32_t bits = float_to_bits(bits_to_float(magnitude << 21) * 0x1.0p112f);
+      if (magnitude >= 0x7cu) bits = (magnitude << 21) | 0x7f800000u;
+      e5m2[x] = bits_to_float(bits | sign);
+    }
+  }
+};
+
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables;
+  return tables;
+}
+
+// One vector of 16-bit or fp8 cache entries as floats, by bit arithmetic (no tables, no scalar loop). NaN and
+// infinities of fp8 never reach attention (written entries are saturated; unwritten slots are never read).
+template <int64_t Type>
+inline FloatVector decode_vector(const void* entries) {
+  constexpr int64_t L = Vector<float>::lanes;
+  IntVector x;
+  if constexpr (Type == kF16 || Type == kBF16) {
+    typedef uint16_t Halves __attribute__((vector_size(2 * L)));
+    Halves raw;
+    std::memcpy(&raw, entries, sizeof raw);
+    x = __builtin_convertvector(raw, IntVector);
+  } else {
+    typedef uint8_t Bytes __attribute__((vector_size(L)));
+    Bytes raw;
+    std::memcpy(&raw, entries, sizeof raw);
+    x = __builtin_convertvector(raw, IntVector);
+  }
+  IntVector bits;
+  if constexpr (Type == kBF16) {
+    bits = x << 16;
+  } else if constexpr (Type == kF16) {   // rebias by multiplying (exact, subnormals included); then inf/NaN
+    const IntVector magnitude = x & 0x7fff;
+    IntVector shifted = magnitude << 13;
+    FloatVector value;
+    std::memcpy(&value, &shifted, sizeof value);
+    value *= 0x1.0p112f;
+    std::memcpy(&bits, &value, sizeof bits);
+    bits = magnitude >= 0x7c00 ? (shifted | 0x7f800000) : bits;
+    bits |= (x & 0x8000) << 16;
+  } else {
+    const IntVector magnitude = x & 0x7f;
+    constexpr int mantissa = Type == kE4M3 ? 3 : 2, bias = Type == kE4M3 ? 120 : 112;
+    constexpr int smallest_normal = 1 << mantissa;
+    constexpr float subnormal_step = Type == kE4M3 ? 0x1p-9f : 0x1p-16f;
+    const IntVector normal = (((magnitude >> mantissa) + bias) << 23) | ((magnitude & (smallest_normal - 1)) << (23 - mantissa));
+    const FloatVector small = __builtin_convertvector(magnitude, FloatVector) * subnormal_step;
+    IntVector small_bits;
+    std::memcpy(&small_bits, &small, sizeof small_bits);
+    bits = (magnitude >= smallest_normal ? normal : small_bits) | ((x & 0x80) << 24);
+  }
+  FloatVector result;
+  std::memcpy(&result, &bits, sizeof result);
+  return result;
+}
+
+// One cache row as Acc: a pointer into the cache when it already holds Acc, else converted into `buffer`.
+template <typename Acc, int64_t Type>
+inline const Acc* cache_row(const void* base, int64_t offset, int64_t head_size, Acc* buffer) {
+  if constexpr (Type == kF32) {
+    const float* row = static_cast<const float*>(base) + offset;
+    if constexpr (std::is_same_v<Acc, float>) return row;
+    for (int64_t d = 0; d < head_size; ++d) buffer[d] = Acc(row[d]);
+  } else if constexpr (Type == kF64) {
+    const double* row = static_cast<const double*>(base) + offset;
+    if constexpr (std::is_same_v<Acc, double>) return row;
+    for (int64_t d = 0; d < head_size; ++d) buffer[d] = Acc(row[d]);
+  } else {
+    constexpr int64_t entry_bytes = (Type == kF16 || Type == kBF16) ? 2 : 1;
+    const uint8_t* row = static_cast<const uint8_t*>(base) + offset * entry_bytes;
+    int64_t d = 0;
+    if constexpr (std::is_same_v<Acc, float>) {
+      constexpr int64_t L = Vector<float>::lanes;
+      for (; d + L <= head_size; d += L) store(buffer + d, decode_vector<Type>(row + d * entry_bytes));
+    }
+    for (; d < head_size; ++d) {
+      if constexpr (Type == kF16) {
+        buffer[d] = Acc(half_to_float(reinterpret_cast<const uint16_t*>(row)[d]));
+      } else if constexpr (Type == kBF16) {
+        buffer[d] = Acc(bfloat16_to_float(reinterpret_cast<const uint16_t*>(row)[d]));
+      } else {
+        buffer[d] = Acc((Type == kE4M3 ? fp8_tables().e4m3 : fp8_tables().e5m2)[row[d]]);
+      }
+    }
+  }
+  return buffer;
+}
+
+template <typename Acc>
+struct Params {
+  const Acc* query;          // [num_tokens, num_heads, head_size], contiguous
+  Acc* out;                  // same layout
+  const void* key_cache;     // [num_blocks, block_size, num_kv_heads, head_size], last dim contiguous
+  const void* value_cache;
+  int64_t k_strides[3];      // block, slot, head (elements)
+  int64_t v_strides[3];
+  const int64_t* block_tables;  // [num_seqs, table_width]
+  int64_t table_width;
+  const int64_t* context_lens;  // [num_seqs]
+  const int64_t* query_start;   // [num_seqs + 1]
+  int64_t num_heads, num_kv_heads, head_size, block_size;
+  Acc scale;                 // softmax scale times k_scale
+  Acc v_scale;
+  int64_t sliding_window;    // 0: none
+  Acc softcap;               // 0: none
+  const Acc* sinks;          // [num_heads] or null
+};
+
+struct WorkItem {
+  int64_t seq, row_begin, row_end;  // query rows [row_begin, row_end) of sequence seq
+};
+
+constexpr int64_t kRowBlock = 4;  // query rows sharing each loaded K/V vector in the prefill micro-kernels
+
+// Dot product over two vector accumulators, then a scalar tail.
+template <typename Acc>
+inline Acc dot(const Acc* a, const Acc* b, int64_t n) {
+  constexpr int64_t L = Vector<Acc>::lanes;
+  typename Vector<Acc>::type s0 = {}, s1 = {};
+  int64_t d = 0;
+  for (; d + 2 * L <= n; d += 2 * L) {
+    s0 += load(a + d) * load(b + d);
+    s1 += load(a + d + L) * load(b + d + L);
+  }
+  for (; d + L <= n; d += L) s0 += load(a + d) * load(b + d);
+  Acc sum = horizontal_sum<Acc>(s0 + s1);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// acc[i][0:n] += sum_k weights[i][k] * rows[k][0:n] for R rows i (row strides n and kKeyTile) over a
+// tile of keys: each loaded value vector serves R rows, and J vectors of each row are accumulated at once so
+// that R * J independent chains of multiply-adds hide their latency; the accumulators stay in registers.
+template <typename Acc, int64_t R>
+inline void accumulate(Acc* acc, const Acc* weights, const Acc* const* rows, int64_t num_keys, int64_t n) {
+  constexpr int64_t L = Vector<Acc>::lanes;
+  constexpr int64_t J = R >= 3 ? 2 : 4;
+  typedef typename Vector<Acc>::type V;
+  int64_t d = 0;
+  for (; d + J * L <= n; d += J * L) {
+    V c[R][J];
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < J; ++j) c[i][j] = load(acc + i * n + d + j * L);
+    for (int64_t k = 0; k < num_keys; ++k) {
+      V v[J];
+      for (int64_t j = 0; j < J; ++j) v[j] = load(rows[k] + d + j * L);
+      for (int64_t i = 0; i < R; ++i) {
+        const Acc w = weights[i * kKeyTile + k];
+        for (int64_t j = 0; j < J; ++j) c[i][j] += w * v[j];
+      }
+    }
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < J; ++j) store(acc + i * n + d + j * L, c[i][j]);
+  }
+  for (; d + L <= n; d += L) {
+    V c[R];
+    for (int64_t i = 0; i < R; ++i) c[i] = load(acc + i * n + d);
+    for (int64_t k = 0; k < num_keys; ++k) {
+      const V v = load(rows[k] + d);
+      for (int64_t i = 0; i < R; ++i) c[i] += weights[i * kKeyTile + k] * v;
+    }
+    for (int64_t i = 0; i < R; ++i) store(acc + i * n + d, c[i]);
+  }
+  for (; d < n; ++d)
+    for (int64_t k = 0; k < num_keys; ++k)
+      for (int64_t i = 0; i < R; ++i) acc[i * n + d] += weights[i * kKeyTile + k] * rows[k][d];
+}
+
+// accumulate over `count` rows, in blocks of kRowBlock and one call for the rest (1-3 rows: a decode group).
+template <typename Acc>
+inline void accumulate_rows(Acc* acc, const Acc* weights, const Acc* const* rows, int64_t num_keys, int64_t n,
+                            int64_t count) {
+  int64_t i = 0;
+  for (; i + kRowBlock <= count; i += kRowBlock)
+    accumulate<Acc, kRowBlock>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n);
+  switch (count - i) {
+    case 3: accumulate<Acc, 3>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n); break;
+    case 2: accumulate<Acc, 2>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n); break;
+    case 1: accumulate<Acc, 1>(acc + i * n, weights + i * kKeyTile, rows, num_keys, n); break;
+    default: break;
+  }
+}
+
+// Scores of `rows` query rows (row stride d) against the keys of one tile, written to s (stride kKeyTile).
+// Few rows (decode): one dot product per pair. Many rows (prefill): the tile's keys are transposed once,
+// then each row is a broadcast-multiply-add over the head dimension (no horizontal sums).
+template <typename Acc>
+void tile_scores(const Acc* q, int64_t rows, const Acc* const* keys, int64_t n, int64_t d_size, Acc* s,
+                 Acc* transposed) {
+  constexpr int64_t L = Vector<Acc>::lanes;
+  if (rows < 4 || n < kKeyTile) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < n; ++k) s[r * kKeyTile + k] = dot(q + r * d_size, keys[k], d_size);
+    return;
+  }
+  for (int64_t k = 0; k < kKeyTile; ++k)
+    for (int64_t d = 0; d < d_size; ++d) transposed[d * kKeyTile + k] = keys[k][d];
+  static_assert(kKeyTile % L == 0, "the key tile is a whole number of vectors");
+  constexpr int64_t J = kKeyTile / L;
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock) {
+    typename Vector<Acc>::type c[kRowBlock][J] = {};
+    for (int64_t d = 0; d < d_size; ++d) {
+      const Acc* kt = transposed + d * kKeyTile;
+      for (int64_t j = 0; j < J; ++j) {
+        const typename Vector<Acc>::type kv = load(kt + j * L);
+        for (int64_t i = 0; i < kRowBlock; ++i) c[i][j] += q[(r + i) * d_size + d] * kv;
+      }
+    }
+    for (int64_t i = 0; i < kRowBlock; ++i)
+      for (int64_t j = 0; j < J; ++j) store(s + (r + i) * kKeyTile + j * L, c[i][j]);
+  }
+  for (; r < rows; ++r) {
+    typename Vector<Acc>::type c[J] = {};
+    for (int64_t d = 0; d < d_size; ++d)
+      for (int64_t j = 0; j < J; ++j) c[j] += q[r * d_size + d] * load(transposed + d * kKeyTile + j * L);
+    for (int64_t j = 0; j < J; ++j) store(s + r * kKeyTile + j * L, c[j]);
+  }
+}
+
+// Per-item scratch space, reused across the items a thread runs.
+template <typename Acc>
+struct Scratch {
+  std::vector<Acc> q, acc, m, l, scores, transposed, rows_buffer;
+  std::vector<const Acc*> key_rows, value_rows;
+  void resize(int64_t rows, int64_t kv_heads, int64_t d_size) {
+    q.resize(rows * d_size);
+    acc.assign(rows * d_size, Acc(0));
+    m.assign(rows, -std::numeric_limits<Acc>::infinity());
+    l.assign(rows, Acc(0));
+    scores.resize(rows * kKeyTile);
+    transposed.resize(d_size * kKeyTile);
+    rows_buffer.resize(kKeyTile * kv_heads * d_size);
+    key_rows.resize(kKeyTile * kv_heads);
+    value_rows.resize(kKeyTile * kv_heads);
+  }
+};
+
+// Online-softmax update of one row with the scores s[lo:hi) of a tile (the row's visible keys in it):
+// s becomes the weights (zero outside [lo, hi)), acc is rescaled, m and l are updated.
+template <typename Acc>
+void softmax_update(Acc* s, int64_t lo, int64_t hi, int64_t n, Acc softcap, Acc& m, Acc& l, Acc* acc,
+                    int64_t d_size) {
+  if (softcap > 0)
+    for (int64_t k = lo; k < hi; ++k) s[k] = std::tanh(s[k] / softcap) * softcap;
+  Acc tile_max = s[lo];
+  for (int64_t k = lo + 1; k < hi; ++k) tile_max = std::max(tile_max, s[k]);
+  const Acc new_max = std::max(m, tile_max);
+  for (int64_t k = lo; k < hi; ++k) s[k] -= new_max;
+  exp_nonpositive(s + lo, hi - lo);
+  Acc sum = 0;
+  for (int64_t k = lo; k < hi; ++k) sum += s[k];
+  for (int64_t k = 0; k < lo; ++k) s[k] = 0;
+  for (int64_t k = hi; k < n; ++k) s[k] = 0;
+  const Acc alpha = m == -std::numeric_limits<Acc>::infinity() ? Acc(0) : std::exp(m - new_max);
+  l = l * alpha + sum;
+  m = new_max;
+  if (alpha != Acc(1))
+    for (int64_t d = 0; d < d_size; ++d) acc[d] *= alpha;
+}
+
+template <typename Acc, int64_t Type>
+void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
+  const int64_t heads = p.num_heads, kv_heads = p.num_kv_heads, group = heads / kv_heads, d_size = p.head_size;
+  const int64_t num_tokens = item.row_end - item.row_begin, rows = num_tokens * heads;
+  const int64_t seq_begin = p.query_start[item.seq], q_len = p.query_start[item.seq + 1] - seq_begin;
+  const int64_t first_pos = p.context_lens[item.seq] - q_len + (item.row_begin - seq_begin);  // first row's token
+  const int64_t last_pos = first_pos + num_tokens - 1;
+  const int64_t window = p.sliding_window;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t* table = p.block_tables + item.seq * p.table_width;
+  w.resize(rows, kv_heads, d_size);
+
+  // Rows are ordered (KV head, token, head within the group), so each KV head's rows are contiguous.
+  auto row_of = [&](int64_t kv_head, int64_t t, int64_t g) { return (kv_head * num_tokens + t) * group + g; };
+  for (int64_t kh = 0; kh < kv_heads; ++kh)
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const Acc* src = p.query + ((item.row_begin + t) * heads + kh * group + g) * d_size;
+        Acc* dst = w.q.data() + row_of(kh, t, g) * d_size;
+        for (int64_t d = 0; d < d_size; ++d) dst[d] = src[d] * p.scale;
+      }
+  const int64_t kv_rows = num_tokens * group;
+  for (int64_t tile = first_key; tile <= last_pos; tile += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, last_pos + 1 - tile);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t pos = tile + k, block = table[pos / p.block_size], offset = pos % p.block_size;
+      const int64_t k_base = block * p.k_strides[0] + offset * p.k_strides[1];
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        const int64_t slot = kh * kKeyTile + k;
+        w.key_rows[slot] = cache_row<Acc, Type>(p.key_cache, k_base + kh * p.k_strides[2], d_size,
+                                                w.rows_buffer.data() + slot * d_size);
+      }
+    }
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      Acc* s = w.scores.data() + kh * kv_rows * kKeyTile;
+      tile_scores(w.q.data() + kh * kv_rows * d_size, kv_rows, w.key_rows.data() + kh * kKeyTile, n, d_size, s,
+                  w.transposed.data());
+    }
+    for (int64_t kh = 0; kh < kv_heads; ++kh)
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t qpos = first_pos + t;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - tile) : 0;
+        const int64_t hi = std::min(n, qpos + 1 - tile);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = row_of(kh, t, g);
+          Acc* s = w.scores.data() + r * kKeyTile;
+          if (hi <= lo) {
+            for (int64_t k = 0; k < n; ++k) s[k] = 0;
+            continue;
+          }
+          softmax_update(s, lo, hi, n, p.softcap, w.m[r], w.l[r], w.acc.data() + r * d_size, d_size);
+        }
+      }
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t pos = tile + k;
+      const int64_t base = table[pos / p.block_size] * p.v_strides[0] + (pos % p.block_size) * p.v_strides[1];
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        const int64_t slot = kh * kKeyTile + k;
+        w.value_rows[slot] = cache_row<Acc, Type>(p.value_cache, base + kh * p.v_strides[2], d_size,
+                                                  w.rows_buffer.data() + slot * d_size);
+      }
+    }
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      const int64_t r = kh * kv_rows;
+      accumulate_rows(w.acc.data() + r * d_size, w.scores.data() + r * kKeyTile, w.value_rows.data() + kh * kKeyTile,
+                      n, d_size, kv_rows);
+    }
+  }
+  for (int64_t kh = 0; kh < kv_heads; ++kh)
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = row_of(kh, t, g), head = kh * group + g;
+        Acc denom = w.l[r];
+        if (p.sinks != nullptr) denom += std::exp(p.sinks[head] - w.m[r]);
+        const Acc factor = p.v_scale / denom;
+        const Acc* a = w.acc.data() + r * d_size;
+        Acc* dst = p.out + ((item.row_begin + t) * heads + head) * d_size;
+        for (int64_t d = 0; d < d_size; ++d) dst[d] = a[d] * factor;
+      }
+}
+
+std::vector<WorkItem> work_items(const int64_t* query_start, int64_t num_seqs) {
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t row = query_start[s]; row < query_start[s + 1]; row += kQueryTile)
+      items.push_back({s, row, std::min(row + kQueryTile, query_start[s + 1])});
+  }
+  return items;
+}
+
+template <typename Acc, int64_t Type>
+void run(const Params<Acc>& p, int64_t num_seqs, int64_t num_threads) {
+  const std::vector<WorkItem> items = work_items(p.query_start, num_seqs);
+  const int64_t total = int64_t(items.size());
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && total > 1)
+  {
+    Scratch<Acc> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < total; ++i) attend_item<Acc, Type>(p, items[i], scratch);
+  }
+}
+
+template <typename Acc>
+int dispatch(const Params<Acc>& p, int64_t cache_type, int64_t num_seqs, int64_t num_threads) {
+  switch (cache_type) {
+    case kF32: run<Acc, kF32>(p, num_seqs, num_threads); return 0;
+    case kF64: run<Acc, kF64>(p, num_seqs, num_threads); return 0;
+    case kF16: run<Acc, kF16>(p, num_seqs, num_threads); return 0;
+    case kBF16: run<Acc, kBF16>(p, num_seqs, num_threads); return 0;
+    case kE4M3: run<Acc, kE4M3>(p, num_seqs, num_threads); return 0;
+    case kE5M2: run<Acc, kE5M2>(p, num_seqs, num_threads); return 0;
+    default: return 1;
+  }
+}
+
+template <typename Acc>
+int paged_attention(const void* query, void* out, const void* key_cache, const void* value_cache,
+                    const int64_t* k_strides, const int64_t* v_strides, const int64_t* block_tables,
+                    int64_t table_width, const int64_t* context_lens, const int64_t* query_start, int64_t num_seqs,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                    int64_t cache_type, double scale, double v_scale, int64_t sliding_window, double softcap,
+                    const void* sinks, int64_t num_threads) {
+  Params<Acc> p{static_cast<const Acc*>(query), static_cast<Acc*>(out), key_cache, value_cache,
+                {k_strides[0], k_strides[1], k_strides[2]}, {v_strides[0], v_strides[1], v_strides[2]},
+                block_tables, table_width, context_lens, query_start, num_heads, num_kv_heads, head_size,
+                block_size, Acc(scale), Acc(v_scale), sliding_window, Acc(softcap), static_cast<const Acc*>(sinks)};
+  return dispatch<Acc>(p, cache_type, num_seqs, num_threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 for an unknown cache type. `query`, `out` and `sinks` are float32
+// (paged_attention_f32) or float64 (paged_attention_f64); the caller validates shapes.
+int paged_attention_f32(const void* query, void* out, const void* key_cache, const void* value_cache,
+                        const int64_t* k_strides, const int64_t* v_strides, const int64_t* block_tables,
+                        int64_t table_width, const int64_t* context_lens, const int64_t* query_start,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                        int64_t block_size, int64_t cache_type, double scale, double v_scale,
+                        int64_t sliding_window, double softcap, const void* sinks, int64_t num_threads) {
+  return paged_attention<float>(query, out, key_cache, value_cache, k_strides, v_strides, block_tables, table_width,
+                                context_lens, query_start, num_seqs, num_heads, num_kv_heads, head_size, block_size,
+                                cache_type, scale, v_scale, sliding_window, softcap, sinks, num_threads);
+}
+
+int paged_attention_f64(const void* query, void* out, const void* key_cache, const void* value_cache,
+                        const int64_t* k_strides, const int64_t* v_strides, const int64_t* block_tables,
+                        int64_t table_width, const int64_t* context_lens, const int64_t* query_start,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                        int64_t block_size, int64_t cache_type, double scale, double v_scale,
+                        int64_t sliding_window, double softcap, const void* sinks, int64_t num_threads) {
+  return paged_attention<double>(query, out, key_cache, value_cache, k_strides, v_strides, block_tables,
+                                 table_width, context_lens, query_start, num_seqs, num_heads, num_kv_heads,
+                                 head_size, block_size, cache_type, scale, v_scale, sliding_window, softcap, sinks,
+                                 num_threads);
+}
+
+}  // extern "C"

@@ -1,0 +1,121 @@
+"""Build and load the CPU kernels (`cpu_attention.cpp`, `cpu_sampler.cpp`) once per machine, through ctypes.
+
+The sources are plain C++17 with OpenMP and no PyTorch headers, so each builds in a few seconds with the
+system compiler (`$CXX`, else `c++`). A shared library is cached under `$PAGED_BACKEND_CACHE/kernels`
+(default `~/.cache/paged_backend/kernels`), named by a hash of the sources, the flags, the compiler and
+the CPU, and written atomically (parallel test processes may race). OpenMP comes from the `libgomp.so.1`
+PyTorch has already loaded, so the kernels' threads are PyTorch's. When no compiler works,
+`load_library(name)` returns None and says why in `build_error(name)`; callers fall back to PyTorch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+HERE = Path(__file__).parent
+HEADERS = ("cpu_vector.h",)
+_FLAG_SETS: List[List[str]] = [
+    ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"],
+    ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"],   # compilers without -march=native
+]
+_errors: Dict[str, str] = {}
+
+_p, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+# The exported functions of each library: name -> (restype, argtypes).
+FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
+    # (query, out, key_cache, value_cache, k_strides, v_strides, block_tables, table_width, context_lens,
+    #  query_start, num_seqs, num_heads, num_kv_heads, head_size, block_size, cache_type, scale, v_scale,
+    #  sliding_window, softcap, sinks, num_threads)
+    "cpu_attention": {name: (ctypes.c_int, [_p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
+                                            _i64, _f64, _f64, _i64, _f64, _p, _i64])
+                      for name in ("paged_attention_f32", "paged_attention_f64")},
+    # (logits, row_stride, num_rows, vocab, top_k, top_p, min_p, greedy, uniforms, draw_offsets, tokens,
+    #  logprobs, kept, log_norm, num_threads)
+    "cpu_sampler": {"sample_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p,
+                                                     _i64])},
+}
+
+
+def cache_root() -> Path:
+    root = os.environ.get("PAGED_BACKEND_CACHE") or os.path.join(Path.home(), ".cache", "paged_backend")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _library_path(name: str, compiler: str, flags: List[str]) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    sources = [(HERE / f"{name}.cpp").read_text()] + [(HERE / header).read_text() for header in HEADERS]
+    digest = hashlib.sha256("\0".join(sources + [" ".join(flags), version, _cpu_identity()])
+                            .encode()).hexdigest()[:16]
+    return cache_root() / f"{name}-{digest}.so"
+
+
+def _compile(source: Path, compiler: str, flags: List[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *flags, str(source), "-o", tmp], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip()[-2000:] or f"{compiler} exited with {result.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(name: str, library: ctypes.CDLL) -> ctypes.CDLL:
+    for function_name, (restype, argtypes) in FUNCTIONS[name].items():
+        function = getattr(library, function_name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return library
+
+
+@lru_cache(maxsize=None)
+def load_library(name: str) -> Optional[ctypes.CDLL]:
+    """The compiled library `name` (a key of FUNCTIONS; built on first use), or None when it cannot be built."""
+    compiler = _compiler()
+    if compiler is None:
+        _errors[name] = "no C++ compiler found (set CXX)"
+        return None
+    errors = []
+    for flags in _FLAG_SETS:
+        try:
+            path = _library_path(name, compiler, flags)
+            if not path.exists():
+                _compile(HERE / f"{name}.cpp", compiler, flags, path)
+            return _bind(name, ctypes.CDLL(str(path)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            errors.append(f"{' '.join(flags)}: {exc}")
+    _errors[name] = f"{compiler} could not build {name}.cpp: " + " | ".join(errors)
+    return None
+
+
+def build_error(name: str) -> Optional[str]:
+    """Why library `name` could not be built (None when it was, or before the first attempt)."""
+    return _errors.get(name)

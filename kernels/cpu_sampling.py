@@ -1,0 +1,46 @@
+"""Token draws for CPU logits through the compiled kernel (`cpu_sampler.cpp`); same contract as
+`sampling.sample_rows_torch`."""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu_build import build_error, load_library
+from .sampling import RowDraws, check_rows
+
+
+def available() -> bool:
+    return load_library("cpu_sampler") is not None
+
+
+def sample_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor) -> RowDraws:
+    """See kernels/sampling.py; ValueError naming the first row with no finite maximum."""
+    library = load_library("cpu_sampler")
+    if library is None:
+        raise RuntimeError(f"the CPU sampling kernel is not available: {build_error('cpu_sampler')}")
+    check_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets)
+    if logits.device.type != "cpu":
+        raise ValueError(f"logits are on {logits.device}; the compiled sampler runs on CPU tensors")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows = logits.shape[0]
+    top_k = top_k.to(torch.int64).contiguous()
+    top_p = top_p.to(torch.float64).contiguous()
+    min_p = min_p.to(torch.float64).contiguous()
+    greedy = greedy.to(torch.uint8).contiguous()
+    uniforms = uniforms.to(torch.float64).contiguous()
+    draw_offsets = draw_offsets.to(torch.int64).contiguous()
+    tokens = torch.empty(uniforms.shape[0], dtype=torch.int64)
+    logprobs = torch.empty(uniforms.shape[0], dtype=torch.float64)
+    kept = torch.empty(rows, dtype=torch.int64)
+    log_norm = torch.empty(rows, dtype=torch.float64)
+    if rows:
+        status = library.sample_rows(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], top_k.data_ptr(),
+                                     top_p.data_ptr(), min_p.data_ptr(), greedy.data_ptr(), uniforms.data_ptr(),
+                                     draw_offsets.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), kept.data_ptr(),
+                                     log_norm.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError(f"logits row {status - 1} has no finite maximum (all -inf, +inf or NaN): "
+                             f"nothing to sample")
+    return RowDraws(tokens, logprobs, kept, log_norm)

@@ -1,0 +1,162 @@
+"""The compiled CPU kernel (kernels/cpu_attention.cpp) equals the dense float64 loop: ragged, shuffled
+inputs whose unused cache slots are NaN (so any read outside a sequence's visible keys shows), every
+variant, block sizes 1-128, head sizes that are not multiples of the vector width, every dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_inputs import BASE_SEED, case_seed, make_paged_inputs, nan_like, variant_kwargs
+from paged_backend.kernels import cpu, reference
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: the CPU kernel cannot be built")
+
+CASES = [
+    # (num_heads, num_kv_heads, head_size, block_size, context_lens, query_lens)
+    (4, 4, 16, 8, [1, 8, 17, 24], [1, 1, 1, 1]),                 # decode, GQA 1, exact multiples
+    (6, 2, 32, 16, [16, 5, 33], [16, 5, 33]),                      # fresh prefill, GQA 3
+    (8, 2, 64, 16, [1, 40, 32, 19], [1, 7, 1, 19]),                # mixed: prefill with context + decode
+    (12, 3, 80, 8, [9, 64], [2, 64]),                              # GQA 4, head size 80
+    (4, 1, 96, 128, [130, 1, 128], [3, 1, 1]),                     # block size 128, GQA 4
+    (9, 3, 20, 1, [70, 3, 45], [37, 1, 45]),                       # block size 1, head 20 (vector tails)
+    (2, 1, 8, 4, [100, 33], [1, 33]),                              # head 8, long decode over many key tiles
+    (4, 2, 128, 32, [300, 65, 17], [40, 65, 1]),                   # several query tiles per sequence
+]
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _dense(inputs, **kwargs):
+    """The dense loop in float64 on the same (rounded) inputs."""
+    query, kc, vc, *rest = inputs.args()
+    return reference.dense_attention(query.double(), kc.double(), vc.double(), *rest, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp64", "fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_cpu_kernel_equals_dense(case, dtype):
+    heads, kv_heads, head_size, block_size, ctx, qlens = case
+    inputs = make_paged_inputs(case_seed("cpu", case, str(dtype)), dtype, heads, kv_heads, head_size, block_size,
+                               ctx, qlens)
+    out = nan_like(inputs.query)
+    returned = cpu.paged_attention(*inputs.args(), out=out)
+    assert returned is out and out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), _dense(inputs), rtol=tol, atol=tol,
+                               msg=lambda m: f"seed {BASE_SEED}: {m}")
+
+
+VARIANT_CASES = [
+    # (num_heads, num_kv_heads, head_size, block_size, context_lens, query_lens, sliding_window)
+    (4, 2, 16, 8, [1, 8, 17, 40], [1, 1, 1, 1], 5),               # decode, window inside one block
+    (6, 2, 32, 4, [16, 5, 33], [16, 5, 33], 7),                     # fresh prefill: the window moves per row
+    (8, 2, 16, 8, [1, 40, 32, 19], [1, 7, 1, 19], 16),              # chunk over a cached context + decode
+    (4, 4, 16, 16, [50, 3, 33], [4, 3, 1], 1),                      # window 1: each query sees itself only
+    (4, 1, 16, 8, [30, 9], [30, 2], 64),                            # window longer than every context
+    (6, 3, 24, 2, [120, 77], [50, 77], 40),                         # windows across key and query tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[f"case{i}" for i in range(len(VARIANT_CASES))])
+def test_cpu_kernel_variants_equal_dense(case, variant, dtype):
+    """Table entries of blocks wholly before the window point outside the cache: never read (the plan only
+    checks the entries the kernel reads)."""
+    heads, kv_heads, head_size, block_size, ctx, qlens, window = case
+    seed = case_seed("cpu-variant", case, variant, str(dtype))
+    kwargs = variant_kwargs(variant, seed, heads, dtype, window)
+    inputs = make_paged_inputs(seed, dtype, heads, kv_heads, head_size, block_size, ctx, qlens,
+                               sliding_window=kwargs.get("sliding_window"))
+    out = nan_like(inputs.query)
+    cpu.paged_attention(*inputs.args(hole=inputs.key_cache.shape[0] + 1000), out=out, **kwargs)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), _dense(inputs, **kwargs), rtol=tol, atol=tol,
+                               msg=lambda m: f"seed {BASE_SEED}: {m}")
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
+                                         torch.float8_e5m2], ids=["fp16", "bf16", "fp64", "e4m3", "e5m2"])
+def test_cpu_kernel_reads_a_cache_of_another_dtype(cache_dtype, query_dtype):
+    """A query over a cache of another dtype (fp8 entries times their scales): the kernel converts each row as it
+    reads it (vectorised for head sizes that fill vectors, a scalar tail otherwise: head 20)."""
+    from paged_backend.kernels.kv_quant import quantize
+
+    for head_size in (64, 20):
+        inputs = make_paged_inputs(case_seed("cpu-mixed", str(cache_dtype), head_size), torch.float32, 8, 2,
+                                   head_size, 16, [1, 40, 32, 19], [1, 7, 1, 19])
+        query, kc, vc, *rest = inputs.args()
+        k_scale, v_scale = (0.5, 3.0) if cache_dtype.itemsize == 1 else (1.0, 1.0)
+        kc, vc = quantize(kc, cache_dtype, k_scale), quantize(vc, cache_dtype, v_scale)
+        out = cpu.paged_attention(query.to(query_dtype), kc, vc, *rest, k_scale=k_scale, v_scale=v_scale)
+        want = reference.dense_attention(query.double(), kc, vc, *rest, k_scale=k_scale, v_scale=v_scale)
+        tol = 2e-5 if query_dtype == torch.float32 else 1e-10
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol, msg=lambda m: f"seed {BASE_SEED}: {m}")
+
+
+def test_cpu_kernel_is_deterministic_across_thread_counts():
+    inputs = make_paged_inputs(case_seed("cpu-threads"), torch.float32, 9, 3, 64, 16, [300, 5, 170, 64, 1],
+                               [1, 5, 40, 1, 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.paged_attention(*inputs.args())
+        torch.set_num_threads(2)
+        two = cpu.paged_attention(*inputs.args())
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_cpu_plan_refuses_tables_outside_the_cache_and_inconsistent_metadata():
+    inputs = make_paged_inputs(case_seed("cpu-bad"), torch.float32, 4, 2, 16, 8, [9, 1], [2, 1])
+    query, kc, vc, tables, lens, starts, scale = inputs.args()
+    bad = tables.clone()
+    bad[0, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu.paged_attention(query, kc, vc, bad, lens, starts, scale)
+    bad[0, 1] = -1
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu.paged_attention(query, kc, vc, bad, lens, starts, scale)
+    with pytest.raises(ValueError, match="context length"):
+        cpu.paged_attention(query, kc, vc, tables, torch.tensor([1, 1]), starts, scale)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        cpu.paged_attention(query, kc, vc, tables, lens, starts[:-1], scale)
+    with pytest.raises(ValueError, match="query rows"):
+        cpu.paged_attention(query[:2], kc, vc, tables, lens, starts, scale)
+    with pytest.raises(ValueError, match="KV heads"):
+        cpu.paged_attention(query[:, :3].contiguous(), kc, vc, tables, lens, starts, scale)
+    plan = cpu.plan_paged_attention(tables, lens, starts, 8, kc.shape[0], sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        cpu.paged_attention(query, kc, vc, tables, lens, starts, scale, plan=plan)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma2", "tiny-gpt-oss"])
+def test_engine_through_the_cpu_kernel_equals_the_pytorch_path(model, monkeypatch):
+    """The engine's default CPU path is the compiled kernel (counted), and it generates the same greedy tokens
+    as the PyTorch path in float64: a batch with chunked prefill (windows, soft-caps and sinks on the family
+    presets) and a beam search (copy-on-write)."""
+    from conftest import get_model
+    from paged_backend import LLM, SamplingParams, kernels
+
+    llm_model, tok = get_model(model, torch.float64)
+    prompts = ["Once upon a time in a land far away, there was a village", "Hi"]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    beams = SamplingParams(beam_width=2, temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = {}
+    calls = []
+    original = cpu.paged_attention
+    monkeypatch.setattr(cpu, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for backend in ("cpp", "torch"):
+        monkeypatch.setenv("PAGED_BACKEND_KERNELS", backend)
+        llm = LLM(llm_model, tokenizer=tok, num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=4)
+        assert kernels.kernel_backend(llm.engine.runner.cache_engine.kv) == backend
+        outputs[backend] = ([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)],
+                            [c.token_ids for c in llm.generate(prompts[:1], beams, use_tqdm=False)[0].outputs])
+        if backend == "cpp":
+            assert calls, "the engine did not call the compiled kernel"
+            calls.clear()
+    assert not calls
+    assert outputs["cpp"] == outputs["torch"]

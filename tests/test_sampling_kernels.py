@@ -1,0 +1,174 @@
+"""kernels.sample_rows (the compiled CPU kernel and the PyTorch version) against a float64 reference that
+sorts every row: the kept prefix, every drawn token and its log-probability; rows that need each path
+(heap and nth_element top-k, nucleus levels, the exact fallback, min-p alone, untruncated, greedy); bad
+rows; and the Sampler's draws for a seed equal those of the previous sort-based sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_inputs import BASE_SEED, case_seed
+from paged_backend.kernels import cpu_sampling, sampling
+from paged_backend.sampler import SampleRequest, Sampler
+from paged_backend.sampling_params import SamplingParams
+from paged_backend.sequence import Sequence
+
+IMPLEMENTATIONS = {"torch": sampling.sample_rows_torch}
+if cpu_sampling.available():
+    IMPLEMENTATIONS["cpp"] = cpu_sampling.sample_rows
+
+
+def reference_kept(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Token ids of the kept prefix, by the definition in kernels/sampling.py, in float64 on a full sort
+    (descending value, ascending id among ties)."""
+    vocab = row.shape[0]
+    order = sorted(range(vocab), key=lambda i: (-float(row[i]), i))
+    values = row.double()[order]
+    e = (values - values[0]).exp()
+    k = vocab if top_k <= 0 or top_k >= vocab else top_k
+    total = float(e[:k].sum())
+    kept, mass = [], 0.0
+    for n in range(k):
+        if (top_p < 1.0 and mass >= top_p * total) or float(e[n]) < min_p:
+            break
+        kept.append(order[n])
+        mass += float(e[n])
+    return torch.tensor(kept)
+
+
+def reference_draw(row: torch.Tensor, kept: torch.Tensor, u: float):
+    """The kept token at which the cumulative probability (token-id order) first exceeds u, and its logprob."""
+    ids = kept.sort().values
+    e = (row.double()[ids] - row.double().max()).exp()
+    cdf = e.cumsum(0)
+    at = min(int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)),
+             len(ids) - 1)
+    log_norm = float(row.double().max()) + float(cdf[-1].log())
+    return int(ids[at]), float(row[ids[at]]) - log_norm
+
+
+def make_rows(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    """Peaked rows (a few large logits over a wide tail), flat rows, rows with masked (-inf) tokens and ties."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 2.0
+    logits[::3, :7] += 9.0                                       # peaked
+    logits[1::3] *= 0.05                                         # nearly flat: huge nuclei
+    logits[2::3, torch.randperm(vocab, generator=gen)[: vocab // 2]] = float("-inf")   # masked half
+    logits[0, 10:14] = logits[0, :7].max()                       # ties at the top
+    return logits.contiguous()
+
+
+SETTINGS = [
+    # (top_k, top_p, min_p)
+    (50, 1.0, 0.0), (1, 1.0, 0.0), (2000, 1.0, 0.0),             # heap and nth_element top-k
+    (-1, 0.9, 0.0), (-1, 0.5, 0.0), (-1, 0.999999, 0.0),         # nucleus levels up to the fallback
+    (-1, 1.0, 0.05), (-1, 1.0, 1e-9),                            # min-p alone
+    (40, 0.8, 0.02), (-1, 0.95, 0.01), (3000, 0.7, 0.0),         # combinations
+    (-1, 1.0, 0.0),                                              # untruncated
+]
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("vocab", [1000, 4099])
+def test_sample_rows_equal_the_sorted_reference(impl, vocab):
+    rows = 6
+    logits = make_rows(case_seed("sample-rows", vocab), rows, vocab)
+    gen = torch.Generator().manual_seed(case_seed("uniforms", vocab))
+    for top_k, top_p, min_p in SETTINGS:
+        draws_per_row = 5
+        uniforms = torch.rand(rows * draws_per_row, generator=gen, dtype=torch.float64)
+        offsets = torch.arange(rows + 1) * draws_per_row
+        out = IMPLEMENTATIONS[impl](logits, torch.full((rows,), top_k),
+                                    torch.full((rows,), top_p, dtype=torch.float64),   # the engine's Python floats
+                                    torch.full((rows,), min_p, dtype=torch.float64),
+                                    torch.zeros(rows, dtype=torch.bool), uniforms, offsets)
+        for r in range(rows):
+            kept = reference_kept(logits[r], top_k, top_p, min_p)
+            setting = f"seed {BASE_SEED}, row {r}, top_k={top_k} top_p={top_p} min_p={min_p}"
+            assert int(out.kept[r]) == len(kept), setting
+            for j in range(draws_per_row):
+                token, logprob = reference_draw(logits[r], kept, float(uniforms[r * draws_per_row + j]))
+                assert int(out.tokens[r * draws_per_row + j]) == token, setting
+                assert abs(float(out.logprobs[r * draws_per_row + j]) - logprob) < 1e-5, setting
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_greedy_rows_take_the_first_maximum_with_full_softmax_logprobs(impl):
+    logits = make_rows(case_seed("greedy-rows"), 4, 777)
+    logits[1, 5] = logits[1, 300] = logits[1].max() + 1.0        # a tie: the first index wins
+    out = IMPLEMENTATIONS[impl](logits, torch.full((4,), 50), torch.full((4,), 0.5), torch.zeros(4),
+                                torch.ones(4, dtype=torch.bool), torch.zeros(8, dtype=torch.float64),
+                                torch.arange(5) * 2)
+    want = logits.argmax(-1)
+    assert out.tokens.tolist() == want.repeat_interleave(2).tolist()
+    assert out.kept.tolist() == [777] * 4                         # greedy rows ignore the truncation settings
+    log_softmax = logits.double().log_softmax(-1)
+    for i, token in enumerate(out.tokens.tolist()):
+        assert abs(float(out.logprobs[i]) - float(log_softmax[i // 2, token])) < 1e-6
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_a_row_without_a_finite_maximum_is_a_value_error_naming_it(impl):
+    logits = torch.randn(3, 64)
+    for bad, value in ((1, float("nan")), (2, float("inf"))):
+        broken = logits.clone()
+        broken[bad, 7] = value
+        with pytest.raises(ValueError, match=f"row {bad}"):
+            IMPLEMENTATIONS[impl](broken, torch.full((3,), -1), torch.ones(3), torch.zeros(3),
+                                  torch.zeros(3, dtype=torch.bool), torch.rand(3, dtype=torch.float64), torch.arange(4))
+    masked = logits.clone()
+    masked[0] = float("-inf")
+    with pytest.raises(ValueError, match="row 0"):
+        IMPLEMENTATIONS[impl](masked, torch.full((3,), 5), torch.ones(3), torch.zeros(3),
+                              torch.zeros(3, dtype=torch.bool), torch.rand(3, dtype=torch.float64), torch.arange(4))
+
+
+def previous_sampler_tokens(logits: torch.Tensor, requests, generator: torch.Generator):
+    """The sort-based sampler this replaces: filter on a full sort (float32), inverse CDF over the whole
+    vocabulary in float64, uniforms drawn in the same order."""
+    scores = logits.clone()
+    vocab = scores.shape[1]
+    for i, r in enumerate(requests):
+        p = r.params
+        if p.is_greedy:
+            continue
+        row = scores[i] / p.temperature
+        sorted_logits, order = row.sort(descending=True)
+        ranks = torch.arange(vocab)
+        sorted_logits = sorted_logits.masked_fill(ranks >= (p.top_k if p.top_k != -1 else vocab), float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        if p.top_p < 1.0:
+            sorted_logits = sorted_logits.masked_fill((probs.cumsum(-1) - probs) >= p.top_p, float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        sorted_logits = sorted_logits.masked_fill(probs < p.min_p * probs[0], float("-inf"))
+        scores[i] = torch.full_like(row, float("-inf")).scatter_(0, order, sorted_logits)
+    tokens = {}
+    sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+    cdf = scores[sampled].softmax(-1).double().cumsum(-1)
+    shared = [n for n, i in enumerate(sampled) if requests[i].generator is None and requests[i].num_samples == 1]
+    u = torch.rand(len(shared), 1, generator=generator, dtype=torch.float64)
+    for (n, i), v in zip([(n, sampled[n]) for n in shared], u[:, 0]):
+        tokens[i] = [int(torch.searchsorted(cdf[n], v * cdf[n, -1], right=True))]
+    for n, i in enumerate(sampled):
+        if i not in tokens:
+            v = torch.rand(requests[i].num_samples, generator=requests[i].generator or generator, dtype=torch.float64)
+            tokens[i] = torch.searchsorted(cdf[n], v * cdf[n, -1], right=True).tolist()
+    return [tokens.get(i, [int(scores[i].argmax())] * r.num_samples) for i, r in enumerate(requests)]
+
+
+def test_the_sampler_draws_what_the_sort_based_sampler_drew_for_a_seed():
+    """Same engine seed, same per-request seeds: the same tokens (the arithmetic differs only in rounding)."""
+    vocab = 3000
+    logits = make_rows(case_seed("sampler-vs-previous"), 12, vocab)
+    logits[2::3] = torch.nan_to_num(logits[2::3], neginf=-30.0)   # the previous sampler on -inf rows is not the point
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.3, min_p=0.05, n=3, seed=11),
+              SamplingParams(temperature=1.0, top_k=100, top_p=0.8, min_p=0.01, seed=7),
+              SamplingParams(temperature=0.7)] * 2
+    seqs = [Sequence(list(range(5))) for _ in params]
+    make = lambda: [SampleRequest(p, s, p.n, None if p.seed is None else torch.Generator().manual_seed(p.seed + i))
+                    for i, (p, s) in enumerate(zip(params, seqs))]   # noqa: E731
+    got = [r.token_ids for r in Sampler(seed=5).sample(logits.clone(), make())]
+    want = previous_sampler_tokens(logits, make(), torch.Generator().manual_seed(5))
+    assert got == want
