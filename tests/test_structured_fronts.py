@@ -28,21 +28,18 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 # A Hermes-style chat template (the format of Qwen2.5 and Hermes 2/3), written for these tests.
-HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
-You may call functions. Answer with <tool_call>{"name": <name>, "arguments": <object>}</tool_call> for each call.
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools><|im_end|>
-{% endif %}{%- for message in messages %}{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{%- for call in message.tool_calls %}
-<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>{{ message.content }}</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "You may call functions. Answer with <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call> for "
+    "each call.\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == \"assistant\" and message.tool_calls %}<|im_start|>assistant"
+    "{%- for call in message.tool_calls %}\n<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>{%- endfor %}<|im_end|>\n"
+    "{% elif message.role == \"tool\" %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response>"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
