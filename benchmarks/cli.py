@@ -1,4 +1,4 @@
-"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, or all) at a
+"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, structured, or all) at a
 named size, print its table, write NAME.json and NAME.png under RESULTS/NAME/. `--documented` runs each at
 the size docs/benchmarks.md documents, records it under docs/img/ and regenerates the doc; `bench docs`
 regenerates docs/benchmarks.md and its plots from the recorded JSON alone."""
@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .provenance import REPO_ROOT, dirty_refusal, git_state
 
-BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead")
+BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")
 DOCS_DIR = REPO_ROOT / "docs"
 
 
@@ -39,14 +39,16 @@ def _names(text: str) -> Tuple[str, ...]:
 OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--model": ("model", str, "model preset or HF directory (defaults: smollm2; waste: tiny-llama)"),
     "--workload": ("workload", str, "sharegpt or alpaca (synthetic)"),
-    "--num-requests": ("num_requests", int, "requests in the trace (waste, throughput, sharing)"),
+    "--num-requests": ("num_requests", int, "requests in the trace (waste, throughput, sharing); structured: "
+                                            "concurrent requests"),
     "--max-prompt-len": ("max_prompt_len", int, "throughput: cut ShareGPT prompts to this many tokens"),
     "--max-output-len": ("max_output_len", int, "throughput: cap ShareGPT output lengths"),
     "--kv-slots": ("kv_slots", int, "KV cache budget in token slots, the same for every system"),
     "--block-size": ("block_size", int, "tokens per KV block of the paged engine"),
     "--seed": ("seed", int, "seed of the trace sampling and arrivals"),
     "--threads": ("threads", int, "torch threads (default: the size's; none: 1 if the machine is busy, else all)"),
-    "--repetitions": ("repetitions", int, "throughput/serving: interleaved rounds (median and range reported)"),
+    "--repetitions": ("repetitions", int, "throughput/serving/structured: interleaved rounds (median and range "
+                                          "reported)"),
     "--systems": ("systems", _names, "throughput/serving: comma list of systems, e.g. paged,oracle,hf-static"),
     "--kv-cache-dtypes": ("kv_cache_dtypes", _names, "throughput: compact-KV rows, e.g. bfloat16,fp8_e4m3 "
                                                      "(own rows, same bytes)"),
@@ -59,7 +61,7 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--prefix-requests": ("prefix_requests", int, "sharing: requests sharing the prefix"),
     "--concurrencies": ("concurrencies", _ints, "serving: concurrent streams, e.g. 1,2,4,8,16,32"),
     "--prompt-tokens": ("prompt_tokens", int, "serving: synthetic prompt length in tokens"),
-    "--output-tokens": ("output_tokens", int, "serving: forced output length in tokens"),
+    "--output-tokens": ("output_tokens", int, "serving, structured: forced output length in tokens"),
     "--min-requests": ("min_requests", int, "serving: requests per concurrency at least (else 2 per stream)"),
     "--max-model-len": ("max_model_len", int, "throughput/serving: context limit of the engines and servers"),
     "--batch-sizes": ("batch_sizes", _ints, "overhead: running sequences, e.g. 1,64,256"),
@@ -69,7 +71,8 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="reproduce the paper's measurements (waste, throughput, sharing, serving, "
-                                         "overhead, all; docs regenerates docs/benchmarks.md)", description=__doc__)
+                                         "overhead; structured: the cost of a JSON schema; all; docs regenerates "
+                                         "docs/benchmarks.md)", description=__doc__)
     p.add_argument("benchmark", choices=BENCHMARKS + ("all", "docs"))
     p.add_argument("--size", default=None, help="a named size: quick, full (waste/sharing/overhead), anchor "
                                                 "(throughput/serving); default: the documented one")

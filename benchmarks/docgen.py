@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 BLOCK = re.compile(r"(<!-- generated: ([a-z]+)(?: ([a-z]+))? -->\n)(.*?)(<!-- end generated -->)", re.S)
-NAMES = ("waste", "throughput", "sharing", "serving", "overhead")
+NAMES = ("waste", "throughput", "sharing", "serving", "overhead", "structured")
 
 
 def load_records(docs_dir: Path) -> Dict[str, dict]:
@@ -106,6 +106,13 @@ def render_headline(records: Dict[str, dict]) -> str:
         lines.append("| step time outside the model forward (overhead) | " +
                      ", ".join(f"{r['running']} sequences {100 * r['outside_forward_share']:.1f}%" for r in o["runs"]) +
                      " |")
+    st = records.get("structured")
+    if st:
+        row = next((r for r in st["rows"] if r["system"] == "json-schema" and r["ratio"]), None)
+        if row:
+            c = st["config"]
+            lines.append(f"| output tokens/s, {c['num_requests']} JSON-schema requests / the same unconstrained | "
+                         f"{_ratio([row], 'json-schema')} |")
     if len(lines) == 2:
         return "*No benchmark records at this commit yet: `make bench` writes them.*\n"
     return "\n".join(lines) + "\n"

@@ -167,3 +167,26 @@ def plot_overhead(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def plot_structured(result: dict, path: Path) -> Path:
+    """Output tokens/s with and without a JSON-schema constraint (median, range as error bars)."""
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.4))
+    values, errors = _median_and_error([r["output_tokens_per_s"] for r in rows])
+    colors = ["#90a4ae" if r["system"] == "unconstrained" else "#1565c0" for r in rows]
+    bars = ax.barh([r["system"] for r in rows], values, xerr=errors, color=colors, capsize=3,
+                   error_kw={"elinewidth": 1})
+    for bar, row in zip(bars, rows):
+        tps, ratio = row["output_tokens_per_s"], row["ratio"]
+        if tps:
+            note = f"  {tps['median']:.1f} tok/s" + (f" ({ratio['median']:.3f}x)" if ratio and
+                                                    row["system"] != "unconstrained" else "")
+            ax.text(tps["max"], bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=8)
+    ax.set_xlim(0, max(v + e for v, e in zip(values, errors[1])) * 1.5 if values else 1)
+    ax.invert_yaxis()
+    config = result["config"]
+    ax.set_xlabel(f"output tokens / s (median and range of {config['repetitions']} interleaved rounds)")
+    ax.set_title(f"{config['num_requests']} concurrent requests x {config['output_tokens']} tokens, "
+                 f"{config['model']}: JSON schema vs unconstrained", fontsize=10)
+    return _save(fig, path)

@@ -32,6 +32,8 @@ from tritonclient.utils import InferenceServerException
 from paged_backend import LLM, SamplingParams
 from paged_backend.adapters.triton.repository import write_model_repository
 from paged_backend.adapters.triton.tritonserver_process import ServerConfig, TritonServer
+from structured_cases import COLORS, PHONE, SCHEMAS, check_choice, check_json, check_regex
+from structured_cases import PROMPTS as ASK
 
 MODEL = "paged_llm"
 VLLM_STYLE = "vllm_style"
@@ -39,6 +41,7 @@ BROKEN = "broken_llm"
 TYPO = "typo_llm"
 TP = "tp_llm"
 PY_LAYOUT = "py_llm"
+STRUCTURED = "structured_llm"
 NUM_BLOCKS = 96
 PROMPTS = ["The capital of France is", "Paged attention splits the KV cache", "Hello"]
 # Triton's vLLM backend documentation: samples/model_repository/vllm_model/{config.pbtxt,1/model.json}, with
@@ -74,6 +77,8 @@ def server(tmp_path_factory):
                                       "tensor_parallel_size": 2})
     write_model_repository(repo, PY_LAYOUT, {"model": "tiny-llama", "dtype": "float32", "num_blocks": 16},
                            layout="python")
+    write_model_repository(repo, STRUCTURED, {"model": "smollm2", "dtype": "float32", "kv_cache_memory": "192MiB",
+                                              "max_num_seqs": 32})
     # several models finalize at SIGTERM on a shared 2-core machine: give them more than the usual 5 s
     srv = TritonServer(ServerConfig(model_repository=repo, model_control_mode="explicit",
                                     load_models=[MODEL, VLLM_STYLE], exit_timeout_secs=30),
@@ -119,7 +124,8 @@ def grpc_inputs(prompt: Optional[str], stream: bool, params: Optional[object] = 
 class StreamClient:
     """One gRPC stream; collects the responses of each request id until its final one."""
 
-    def __init__(self, server: TritonServer) -> None:
+    def __init__(self, server: TritonServer, model: str = MODEL) -> None:
+        self.model = model
         self.client = grpcclient.InferenceServerClient(server.grpc_url)
         self.results: Dict[str, list] = {}
         self.errors: Dict[str, str] = {}
@@ -150,7 +156,7 @@ class StreamClient:
 
     def send(self, request_id: str, inputs: list) -> None:
         self.finished[request_id] = threading.Event()
-        self.client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
+        self.client.async_stream_infer(self.model, inputs, request_id=request_id, enable_empty_final_response=True)
 
     def wait(self, request_id: str, timeout: float = 120.0) -> list:
         assert self.finished[request_id].wait(timeout), f"no final response for {request_id}"
@@ -529,15 +535,59 @@ def test_a_dead_tensor_parallel_worker_makes_the_model_not_ready(server):
     assert "cannot continue" in server.log_text() and "unloading the model" in server.log_text()
 
 
-def test_sigterm_leaves_no_stub_or_shared_memory(server):
-    """Runs last: stopping the server finalizes the model, ends the stubs and removes their regions."""
-    stubs = server.child_pids()
-    regions = server.shm_regions()
-    assert stubs and regions, "a loaded model has a stub process and a /dev/shm region"
-    assert server.stop() == 0, server.log_tail()
-    assert not [pid for pid in stubs if os.path.exists(f"/proc/{pid}")], "stub processes outlived the server"
-    assert server.shm_regions() == []
-    assert "finalizing model 'paged_llm'" in server.log_text()
+def _structured_requests() -> Dict[str, tuple]:
+    """request id -> (prompt, sampling_parameters, stream, check of each returned text or an error's text)."""
+    compact = {"disable_any_whitespace": True}
+    json_check = {name: (lambda text, schema=schema: check_json(text, schema)) for name, schema in SCHEMAS.items()}
+    return {  # vllm_backend's ways: structured_outputs as a JSON string, guided_decoding as an object or a string
+        "person-t0": (ASK["person"], {"structured_outputs": json.dumps({"json": SCHEMAS["person"], **compact}),
+                                          "temperature": 0, "max_tokens": 90}, True, json_check["person"]),
+        "items-t1": (ASK["items"], {"structured_outputs": json.dumps({"json": SCHEMAS["items"], **compact}),
+                                        "temperature": 1, "n": 3, "seed": 3, "max_tokens": 90}, False,
+                     json_check["items"]),
+        "status-t1": (ASK["status"], {"guided_decoding": {"json": SCHEMAS["status"], "backend": "xgrammar",
+                                                              **compact},
+                                          "temperature": "1.0", "n": "3", "seed": 9, "max_tokens": 60}, True,
+                      json_check["status"]),
+        "regex-t1": ("My phone number is ", {"guided_decoding": {"regex": PHONE}, "temperature": 1, "n": 3, "seed": 5,
+                                             "max_tokens": 12}, True, check_regex),
+        "choice-t0": ("My favourite colour is", {"structured_outputs": json.dumps({"choice": COLORS}),
+                                                 "temperature": 0, "max_tokens": 5}, False, check_choice),
+        "choice-t1": ("Pick a colour:", {"guided_decoding": json.dumps({"choice": COLORS}), "temperature": 1, "n": 3,
+                                         "seed": 2, "max_tokens": 5}, True, check_choice),
+        "bad-regex": ("x", {"structured_outputs": json.dumps({"regex": "(a"})}, True, "invalid structured_outputs"),
+        "bad-schema": ("x", {"guided_decoding": {"json": {"type": "nonsense"}}}, False, "invalid structured_outputs"),
+    }
+
+
+def test_structured_outputs_with_smollm2_over_grpc(server):
+    """SmolLM2 behind the real server: JSON schemas, a regex and a choice in sampling_parameters as
+    vllm_backend passes them, at temperature 0 and 1 with n = 3, streamed and not; bad constraints fail only
+    their own request. The model is loaded for this test and unloaded after it."""
+    client = httpclient.InferenceServerClient(server.http_url, network_timeout=300.0)
+    client.load_model(STRUCTURED)
+    requests = _structured_requests()
+    # gRPC stream errors carry no request id: each request that must fail gets a stream of its own
+    streams = {rid: StreamClient(server, STRUCTURED) for rid, (*_, check) in requests.items() if isinstance(check, str)}
+    shared = StreamClient(server, STRUCTURED)
+    try:
+        for rid, (prompt, params, streamed, _) in requests.items():
+            flags = {} if streamed else {"exclude_input_in_output": True}
+            streams.get(rid, shared).send(rid, grpc_inputs(prompt, streamed, params, **flags))
+        for rid, (_, params, _, check) in requests.items():
+            stream = streams.get(rid, shared)
+            if isinstance(check, str):
+                assert stream.finished[rid].wait(120) and check in stream.errors.get(rid, ""), (rid, stream.errors)
+                continue
+            texts = joined_texts(stream.wait(rid, timeout=300))
+            assert len(texts) == int(params.get("n", 1)), (rid, texts)
+            for text in texts:
+                check(text)
+    finally:
+        for stream in [shared, *streams.values()]:
+            stream.close()
+        client.unload_model(STRUCTURED)
+        client.close()
 
 
 @pytest.mark.parametrize("params", [
@@ -550,3 +600,14 @@ def test_ordinary_sampling_settings_on_a_float32_model(server, params):
                                              "sampling_parameters": json.dumps({**params, "max_tokens": 6})})
     assert status == 200, body
     assert json.loads(body)["text_output"]
+
+
+def test_sigterm_leaves_no_stub_or_shared_memory(server):
+    """Runs last: stopping the server finalizes the model, ends the stubs and removes their regions."""
+    stubs = server.child_pids()
+    regions = server.shm_regions()
+    assert stubs and regions, "a loaded model has a stub process and a /dev/shm region"
+    assert server.stop() == 0, server.log_tail()
+    assert not [pid for pid in stubs if os.path.exists(f"/proc/{pid}")], "stub processes outlived the server"
+    assert server.shm_regions() == []
+    assert "finalizing model 'paged_llm'" in server.log_text()

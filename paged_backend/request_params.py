@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Mapping
 from .coerce import to_bool, to_float, to_float_map, to_int, to_int_list, to_str_list
 from .errors import InvalidParameter, UnsupportedParameter
 from .sampling_params import SamplingParams
+from .structured_outputs import structured_outputs_from
 
 Reader = Callable[[str, Any], Any]
 
@@ -29,6 +30,17 @@ def _early_stopping(name: str, value: Any) -> Any:
     if isinstance(value, str) and value.strip().lower() == "never":
         return "never"
     return to_bool(name, value)
+
+
+def _structured(name: str, value: Any) -> Any:
+    """A structured-output constraint: `StructuredOutputsParams`, or its fields as an object or a JSON string
+    (Triton's vLLM backend sends `structured_outputs` as a string, `guided_decoding` as either)."""
+    try:
+        return structured_outputs_from(value)
+    except InvalidParameter:
+        raise
+    except ValueError as exc:
+        raise InvalidParameter(str(exc), param=name) from None
 
 
 def _unsupported(why: str) -> Reader:
@@ -62,6 +74,7 @@ SAMPLING_PARAMETERS: Dict[str, Reader] = {
     "logit_bias": to_float_map, "allowed_token_ids": to_int_list, "bad_words": to_str_list,
     "beam_width": to_int, "length_penalty": to_float, "early_stopping": _early_stopping,
     "use_beam_search": to_bool,
+    "structured_outputs": _structured, "guided_decoding": _structured,
     "prompt_logprobs": _unsupported("prompt logprobs are not computed (the engine runs the model head only on "
                                     "the positions it samples from)"),
     "spaces_between_special_tokens": _only_default(True, to_bool, "special tokens are always decoded as the "

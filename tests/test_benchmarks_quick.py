@@ -345,6 +345,18 @@ def test_quick_overhead_benchmark(tmp_path):
         assert all(calls > 0 for calls in run["phase_calls"].values()), run["phase_calls"]  # every phase is hooked
 
 
+def test_quick_structured_benchmark(tmp_path):
+    result = _bench("structured", tmp_path)
+    assert [(r["repetition"], r["system"]) for r in result["runs"]] == [
+        (0, "unconstrained"), (0, "json-schema"), (1, "unconstrained"), (1, "json-schema")]
+    wanted = result["config"]["output_tokens"] * result["config"]["num_requests"]
+    for run in result["runs"]:  # the same work on both: every request at its exact length, the mask on one only
+        assert run["output_tokens"] == wanted and run["errors"] == 0
+        assert (run["mask_calls"] > 0) == (run["system"] == "json-schema")
+    constrained = next(r for r in result["rows"] if r["system"] == "json-schema")
+    assert constrained["ratio"]["median"] > 0 and constrained["mask_ms_per_step"]["median"] > 0
+
+
 def test_quick_serving_benchmark(tmp_path):
     result = _bench("serving", tmp_path)
     config = result["config"]

@@ -212,12 +212,13 @@ def test_max_time_stops_like_transformers(gpt2):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
-    ({"bad_words_ids": [[5]]}, "bad_words_ids"),
+    ({"encoder_no_repeat_ngram_size": 2}, "encoder_no_repeat_ngram_size"),
+    ({"forced_eos_token_id": 5}, "forced_eos_token_id"),
     ({"do_sample": True, "typical_p": 0.5}, "typical_p"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
-    ({"logits_processor": LogitsProcessorList([TemperatureLogitsWarper(0.5)])}, "logits_processor"),
-    ({"prefix_allowed_tokens_fn": lambda batch, ids: [1]}, "prefix_allowed_tokens_fn"),
+    ({"logits_processor": TemperatureLogitsWarper(0.5)}, "LogitsProcessorList"),
+    ({"logits_processor": LogitsProcessorList([5])}, "must be callables"),
+    ({"prefix_allowed_tokens_fn": [1, 2]}, "prefix_allowed_tokens_fn must be a callable"),
     ({"foo": 1}, "foo"),
     ({"token_type_ids": torch.zeros(3, 13, dtype=torch.long)}, "token_type_ids"),
     ({"num_beams": 2, "do_sample": True}, "beam sampling"),

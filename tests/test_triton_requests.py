@@ -40,7 +40,25 @@ def test_sampling_parameters_use_the_engines_mapping():
     assert parse_sampling_parameters('{"use_beam_search": true, "n": 2}').beam_width == 2
 
 
+def test_structured_outputs_come_as_the_vllm_backend_sends_them():
+    """vllm_backend passes `structured_outputs` as a JSON string and `guided_decoding` as an object or a string
+    (its `backend` field dropped); both reach SamplingParams.structured_outputs."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    as_string = parse_sampling_parameters(json.dumps({"structured_outputs": json.dumps({"json": schema}),
+                                                      "temperature": "0"}))
+    assert as_string.structured_outputs.schema == schema
+    as_object = parse_sampling_parameters(json.dumps({"guided_decoding": {"regex": "[0-9]+", "backend": "xgrammar"}}))
+    assert as_object.structured_outputs.regex == "[0-9]+" and as_object.guided_decoding is None
+    nested = parse_sampling_parameters(json.dumps({"guided_decoding": json.dumps({"choice": ["a", "b"]})}))
+    assert nested.structured_outputs.choice == ["a", "b"]
+
+
 @pytest.mark.parametrize("raw, message", [
+    ('{"structured_outputs": "{not json"}', "structured_outputs is not valid JSON"),
+    ('{"structured_outputs": {"regex": "a", "choice": ["b"]}}', "exactly one of"),
+    ('{"guided_decoding": {"jsn": {}}}', "unknown structured_outputs field"),
+    ('{"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}', "not both"),
+    ('{"structured_outputs": 5}', "must be an object"),
     ("{bad json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"temperature": "hot"}', "temperature must be a finite number"),

@@ -4,13 +4,15 @@ resolve the arguments as transformers does, and run the prompt rows through the 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .attachment import Attachment, attachment_of
 from .generation_config import (UNSUPPORTED_GENERATE_ARGS, ResolvedConfig, check_supported, prepare_lengths,
                                 resolve_generation_config, sampling_params, special_tokens)
+from .logits_processing import (TransformersRowProcessors, asks_for_processors, check_user_processors,
+                                row_processor_list)
 from .outputs import UNMATCHED_ROWS_WARNING, OutputOptions
 from .prompts import prepare_prompts
 from .runner import BeamRun, Plan, SamplingRun
@@ -20,16 +22,18 @@ _SUPPORTED_MODES = ("greedy_search", "sample", "beam_search")
 
 
 # ---- one call ----------------------------------------------------------------------------------------
-def _refuse_unsupported_arguments(kwargs: Dict[str, Any], logits_processor, stopping_criteria) -> None:
+def _refuse_unsupported_arguments(kwargs: Dict[str, Any], logits_processor, prefix_allowed_tokens_fn,
+                                  stopping_criteria) -> None:
     given = [name for name in UNSUPPORTED_GENERATE_ARGS
              if kwargs.get(name) is not None and not (name == "synced_gpus" and kwargs[name] is False)]
     if given:
         raise ValueError(f"the paged backend does not support these generate arguments: {', '.join(given)}")
     for name in UNSUPPORTED_GENERATE_ARGS:
         kwargs.pop(name, None)
-    if logits_processor is not None and len(logits_processor) > 0:
-        raise ValueError("custom logits_processor is not supported by the paged backend: its sampler runs "
-                         "batched inside the engine; use the equivalent generate arguments instead")
+    check_user_processors(logits_processor)
+    if prefix_allowed_tokens_fn is not None and not callable(prefix_allowed_tokens_fn):
+        raise ValueError(f"prefix_allowed_tokens_fn must be a callable (batch_id, input_ids) -> allowed token ids, "
+                         f"got {type(prefix_allowed_tokens_fn).__name__}")
     if stopping_criteria is not None:
         from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -67,10 +71,24 @@ def _criteria(resolved: ResolvedConfig, user_criteria, tokenizer):
     return merged if len(merged) else None
 
 
-def _plan(model, state: Attachment, inputs, generation_config, logits_processor, stopping_criteria, streamer,
-          kwargs: Dict[str, Any]) -> Plan:
+def _row_processors(resolved: ResolvedConfig, batch, eos_ids, logits_processor, prefix_allowed_tokens_fn,
+                    device) -> List[Optional[list]]:
+    """Per prompt row, the engine logits processor running transformers' list (None when the call needs none)."""
+    if not asks_for_processors(resolved.config, logits_processor, prefix_allowed_tokens_fn):
+        return [None] * batch.batch_size
+    rows = []
+    for b, prompt in enumerate(batch.prompts):
+        padding = batch.padded_len - len(prompt)
+        processors = row_processor_list(resolved.config, b, batch.padded_len, padding, eos_ids, logits_processor,
+                                        prefix_allowed_tokens_fn, device)
+        rows.append([TransformersRowProcessors(processors, batch.input_ids[b].tolist())])
+    return rows
+
+
+def _plan(model, state: Attachment, inputs, generation_config, logits_processor, stopping_criteria,
+          prefix_allowed_tokens_fn, streamer, kwargs: Dict[str, Any]) -> Plan:
     kwargs = dict(kwargs)
-    _refuse_unsupported_arguments(kwargs, logits_processor, stopping_criteria)
+    _refuse_unsupported_arguments(kwargs, logits_processor, prefix_allowed_tokens_fn, stopping_criteria)
     tokenizer = kwargs.pop("tokenizer", None)
     tokenizer = state.tokenizer if tokenizer is None else tokenizer
     resolved = resolve_generation_config(model, generation_config, kwargs)
@@ -99,18 +117,23 @@ def _plan(model, state: Attachment, inputs, generation_config, logits_processor,
     options = OutputOptions(bool(config.return_dict_in_generate), bool(config.output_scores),
                             bool(config.output_logits))
     base_seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if config.do_sample is True else None
+    processors = _row_processors(resolved, batch, eos_ids, logits_processor, prefix_allowed_tokens_fn, engine.device)
     params = [sampling_params(resolved, batch.padded_len, eos_ids, None if base_seed is None else base_seed + b,
-                              options.records) for b in range(batch.batch_size)]
+                              options.records, processors[b]) for b in range(batch.batch_size)]
     criteria = None if resolved.use_beam_search else _criteria(resolved, stopping_criteria, tokenizer)
     return Plan(batch, params, resolved.num_return_sequences, config.num_beams or 1, eos_ids, pad_id, options,
                 criteria)
 
 
 def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
-              stopping_criteria=None, streamer=None, **kwargs):
-    """transformers' `generate`, served by the paged engine (same arguments, same outputs; see docs/hf.md)."""
+             stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None,
+             streamer=None, **kwargs):
+    """transformers' `generate`, served by the paged engine (same arguments, in transformers' order, same
+    outputs; see docs/hf.md)."""
     state = attachment_of(model)
-    plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria, streamer, kwargs)
+    kwargs.update(synced_gpus=synced_gpus, assistant_model=assistant_model)
+    plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria,
+                 prefix_allowed_tokens_fn, streamer, kwargs)
     if plan.num_beams > 1:
         with state.guard() as engine:
             run = BeamRun(engine, plan)
@@ -124,11 +147,14 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
 
 
 def generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
-                     stopping_criteria=None, streamer=None, **kwargs) -> GenerationStream:
+                    stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None,
+                    streamer=None, **kwargs) -> GenerationStream:
     """Like `generate`, but returns a `GenerationStream`: iterate it for one `TokenEvent` per new token of
     every row (no thread needed); afterwards `stream.output` is what `generate` returns."""
     state = attachment_of(model)
-    plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria, streamer, kwargs)
+    kwargs.update(synced_gpus=synced_gpus, assistant_model=assistant_model)
+    plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria,
+                 prefix_allowed_tokens_fn, streamer, kwargs)
     if plan.num_beams > 1:
         raise ValueError("generate_stream does not support beam search: beams are only final at the end")
     return GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard)

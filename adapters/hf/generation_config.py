@@ -30,7 +30,7 @@ _GLOBAL_DEFAULTS: Dict[str, Any] = {
 }
 
 # `generate` parameters of transformers that the paged backend cannot honour (refused unless None / False).
-UNSUPPORTED_GENERATE_ARGS = ("prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
+UNSUPPORTED_GENERATE_ARGS = ("synced_gpus", "assistant_model", "negative_prompt_ids",
                              "negative_prompt_attention_mask", "custom_generate", "assistant_tokenizer",
                              "trust_remote_code")
 # Model inputs the adapter understands; any other model keyword argument is refused.
@@ -44,17 +44,12 @@ def _active(value, neutral=(None,)) -> bool:
 # (field, when it changes what transformers generates) for GenerationConfig features the engine lacks.
 _UNSUPPORTED_FIELDS = (
     ("guidance_scale", lambda c: _active(c.guidance_scale, (None, 1, 1.0))),
-    ("sequence_bias", lambda c: c.sequence_bias is not None),
     ("encoder_repetition_penalty", lambda c: _active(c.encoder_repetition_penalty, (None, 1.0))),
-    ("no_repeat_ngram_size", lambda c: bool(c.no_repeat_ngram_size)),
     ("encoder_no_repeat_ngram_size", lambda c: bool(c.encoder_no_repeat_ngram_size)),
-    ("bad_words_ids", lambda c: c.bad_words_ids is not None),
     ("forced_bos_token_id", lambda c: c.forced_bos_token_id is not None),
     ("forced_eos_token_id", lambda c: c.forced_eos_token_id is not None),
     ("remove_invalid_values", lambda c: c.remove_invalid_values is True),
     ("exponential_decay_length_penalty", lambda c: c.exponential_decay_length_penalty is not None),
-    ("suppress_tokens", lambda c: c.suppress_tokens is not None),
-    ("begin_suppress_tokens", lambda c: c.begin_suppress_tokens is not None),
     ("renormalize_logits", lambda c: c.renormalize_logits is True),
     ("watermarking_config", lambda c: c.watermarking_config is not None),
     ("top_h", lambda c: c.do_sample is True and c.top_h is not None),
@@ -198,17 +193,21 @@ def min_new_tokens(config: GenerationConfig, input_len: int, eos_ids: Optional[L
 
 
 def sampling_params(resolved: ResolvedConfig, input_len: int, eos_ids: Optional[List[int]], seed: Optional[int],
-                    output_scores: bool):
+                    output_scores: bool, logits_processors: Optional[List[Any]] = None):
     """The engine's `SamplingParams` for one prompt row, equivalent to transformers' processors and criteria:
-    transformers' names translated onto vLLM's, read by the engine's one mapping (`request_params`)."""
+    transformers' names translated onto vLLM's, read by the engine's one mapping (`request_params`).
+    `logits_processors` (logits_processing.py) carry transformers' own processor list, repetition penalty
+    and minimum lengths included, so the engine's are turned off for such a row."""
     from paged_backend.request_params import sampling_params_from_dict
 
     config = resolved.config
     max_tokens = config.max_length - input_len
+    in_list = bool(logits_processors)
     values: Dict[str, Any] = dict(
         n=resolved.num_return_sequences, max_tokens=max_tokens,
-        min_tokens=min(min_new_tokens(config, input_len, eos_ids), max_tokens),
-        repetition_penalty=float(config.repetition_penalty or 1.0), stop_token_ids=list(eos_ids or []),
+        min_tokens=0 if in_list else min(min_new_tokens(config, input_len, eos_ids), max_tokens),
+        repetition_penalty=1.0 if in_list else float(config.repetition_penalty or 1.0),
+        stop_token_ids=list(eos_ids or []),
         ignore_eos=True,  # transformers' EOS ids are the stop_token_ids above
         detokenize=False)  # stop strings are matched on token ids, as transformers does
     if resolved.use_beam_search:
@@ -223,4 +222,4 @@ def sampling_params(resolved: ResolvedConfig, input_len: int, eos_ids: Optional[
             top_k, top_p = 1, 1.0
         values.update(temperature=float(config.temperature), top_k=top_k, top_p=top_p,
                       min_p=float(config.min_p or 0.0), seed=seed)
-    return sampling_params_from_dict(values, output_scores=output_scores)
+    return sampling_params_from_dict(values, output_scores=output_scores, logits_processors=logits_processors)

@@ -4,14 +4,16 @@ the body under vLLM's names through the engine's request contract (`sampling_par
 
 OpenAI's parameters plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`,
-`truncate_prompt_tokens`, `use_beam_search`, `length_penalty`, `early_stopping`). `max_tokens` defaults
-to 16 for completions (OpenAI's documented default) and to all that fits the context and KV cache for
-chat; `null` means all that fits.
+`truncate_prompt_tokens`, `use_beam_search`, `length_penalty`, `early_stopping`, and structured output:
+`structured_outputs`, `guided_*`, see openai_structured.py). `response_format` constrains both routes; the
+chat route also takes `tools` (openai_tools.py). `max_tokens` defaults to 16 for completions (OpenAI's
+documented default) and to all that fits the context and KV cache for chat; `null` means all that fits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from paged_backend import SamplingParams
@@ -22,6 +24,8 @@ from paged_backend.sampling_params import RequestOutputKind
 from .body import StrictBody
 from .context import ServerContext
 from .errors import ValidationFailed, refusal
+from .openai_structured import structured_outputs_value
+from .openai_tools import ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
 # OpenAI's documented limits
 MAX_COMPLETION_LOGPROBS = 5
@@ -71,6 +75,15 @@ class SamplingFields(StrictBody):
     use_beam_search: bool = False
     length_penalty: Optional[float] = None
     early_stopping: Optional[Union[bool, str]] = None
+    # structured output (openai_structured.py)
+    response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[str, Dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -90,6 +103,8 @@ class ChatMessage(StrictBody):
     role: str
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None   # an assistant's earlier calls
+    tool_call_id: Optional[str] = None                  # a tool's answer to one of them
 
 
 class ChatRequest(SamplingFields):
@@ -97,9 +112,9 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[Dict[str, Any]] = None
-    tools: Optional[List[Any]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[List[ToolDefinition]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
 
 
@@ -113,6 +128,7 @@ class OpenAIPlan:
     include_usage: bool
     logprobs: Optional[int]        # completions: top-k per position; chat: top_logprobs
     echo_texts: Optional[List[str]] = None
+    tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
 
     @property
     def n(self) -> int:
@@ -155,33 +171,40 @@ def _check_common(req: SamplingFields) -> None:
         _fail("beam search cannot be streamed", "use_beam_search")
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern")
 _VLLM_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
                 "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
                 "truncate_prompt_tokens", "prompt_logprobs", "use_beam_search", "length_penalty", "early_stopping")
 
 
-def vllm_values(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> Dict[str, Any]:
+def vllm_values(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
+                structured: Optional[dict] = None) -> Dict[str, Any]:
     """The request under vLLM's names (what `sampling_params_from_dict` reads)."""
     values: Dict[str, Any] = {name: getattr(req, name) for name in _VLLM_FIELDS}
-    values.update(max_tokens=max_tokens, logprobs=logprobs)
+    values.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
     if req.logit_bias:
         values["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     return values
 
 
 def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: Optional[int],
-            logprobs: Optional[int], default: Optional[int], prompt_param: str):
+            logprobs: Optional[int], default: Optional[int], prompt_param: str, tool_schema: Optional[dict] = None):
     """(token ids, SamplingParams) per prompt through the engine's contract; refusals in OpenAI's terms."""
-    names = {"prompt": prompt_param}
+    structured, source = structured_outputs_value(req.structured_outputs, {g: getattr(req, g) for g in _GUIDED},
+                                                  req.response_format, tool_schema)
+    names = {"prompt": prompt_param, "structured_outputs": source or "structured_outputs"}
     try:
-        base = sampling_params_from_dict(vllm_values(req, max_tokens, logprobs),
+        base = sampling_params_from_dict(vllm_values(req, max_tokens, logprobs, structured),
                                          output_kind=RequestOutputKind.DELTA if req.stream else
                                          RequestOutputKind.CUMULATIVE)
         ids = [ctx.engine.validate(p, base) for p in prompts]
         params = [ctx.engine.fit_max_tokens(len(i), base, default=default) for i in ids]
     except InvalidRequest as exc:
-        raise refusal(exc, names) from None
+        failed = refusal(exc, names)
+        if exc.param == "structured_outputs" and source not in (None, "structured_outputs"):
+            failed.message = f"`{source}`: {failed.message}"  # the engine names its own field
+        raise failed from None
     return ids, params
 
 
@@ -226,19 +249,45 @@ def _message_text(message: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def chat_prompt(ctx: ServerContext, req: ChatRequest) -> str:
-    """The conversation rendered with the model's chat template."""
+def _template_tool_calls(calls: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """An assistant message's earlier calls as chat templates expect them: `arguments` as an object (as vLLM
+    passes them; the API carries a JSON string)."""
+    shaped = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass
+        shaped.append({**call, "function": function})
+    return shaped
+
+
+def _template_message(message: ChatMessage, i: int) -> Dict[str, Any]:
+    rendered: Dict[str, Any] = {"role": message.role, "content": _message_text(message, i)}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_calls:
+        rendered["tool_calls"] = _template_tool_calls(message.tool_calls)
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[str, Any]]] = None) -> str:
+    """The conversation (and the tools, if any) rendered with the model's chat template."""
     if not req.messages:
         _fail("`messages` must not be empty", "messages")
     if getattr(ctx.tokenizer, "chat_template", None) is None:
         _fail("this model's tokenizer has no chat template; use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(req.messages)]
-    chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+    messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+    chars = sum(len(m["content"]) + len(m["role"]) for m in messages) + len(json.dumps(tools or []))
     if chars > ctx.engine.max_prompt_chars:
         raise refusal(PromptTooLong(f"the messages have {chars} characters, more than any prompt that fits the "
                                     f"context can have ({ctx.engine.max_prompt_chars})", param="messages"))
     try:
-        return ctx.tokenizer.apply_chat_template(messages, tokenize=False,
+        return ctx.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                  add_generation_prompt=req.add_generation_prompt)
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages being off
         raise ValidationFailed(f"the chat template rejected the messages: {exc}", param="messages") from None
@@ -247,22 +296,18 @@ def chat_prompt(ctx: ServerContext, req: ChatRequest) -> str:
 def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
     """Validate a /v1/chat/completions request, apply the chat template, build SamplingParams (blocking)."""
     _check_common(req)
-    if req.tools:
-        _fail("`tools` are not supported by this server", "tools", "unsupported_parameter")
-    if req.tool_choice not in (None, "none"):
-        _fail("`tool_choice` needs `tools`, which this server does not support", "tool_choice",
-              "unsupported_parameter")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        _fail("only `response_format` {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tokenizer)
+    if tools.calls_tools and req.use_beam_search:
+        _fail("tool calls cannot be combined with beam search", "use_beam_search")
     if req.top_logprobs is not None:
         _range(req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if not req.logprobs:
             _fail("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         _fail(f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}", "max_completion_tokens")
-    text = chat_prompt(ctx, req)
+    text = chat_prompt(ctx, req, tools.tools)
     prompt = list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    ids, params = _settle(ctx, req, [prompt], requested, logprobs, None, "messages")
-    return OpenAIPlan(ids, params, req.stream, _include_usage(req), logprobs)
+    ids, params = _settle(ctx, req, [prompt], requested, logprobs, None, "messages", tools.schema)
+    return OpenAIPlan(ids, params, req.stream, _include_usage(req), logprobs, tools=tools)

@@ -24,6 +24,7 @@ from .engine_requests import (ClosingStreamingResponse, TokenInfo, final_output,
                               token_infos, unless_disconnected)
 from .errors import APIError
 from .openai_request import ChatRequest, CompletionRequest, OpenAIPlan, plan_chat, plan_completion
+from .openai_tools import ToolCallStream, read_tool_calls
 
 router = APIRouter(prefix="/v1")
 FINGERPRINT = "paged-backend"
@@ -209,19 +210,39 @@ def _chat_header(ctx: ServerContext, kind: str) -> dict:
             "model": ctx.model_name, "system_fingerprint": FINGERPRINT}
 
 
+def _chat_message(plan: OpenAIPlan, comp: CompletionOutput) -> tuple:
+    """(the choice's message, its finish reason): tool calls read from the text when the request uses tools."""
+    if not plan.tools.calls_tools:
+        return {"role": "assistant", "content": comp.text}, comp.finish_reason
+    reply = read_tool_calls(plan.tools, comp.text, comp.finish_reason)
+    message = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls is not None:
+        message["tool_calls"] = reply.tool_calls
+    return message, reply.finish_reason
+
+
 def _chat_reply(ctx: ServerContext, plan: OpenAIPlan, outputs: List[RequestOutput]) -> Response:
     (output,) = outputs
     choices = []
     for comp in output.outputs:
         logprobs = chat_logprobs(ctx, _infos(ctx, comp), plan.logprobs) if plan.logprobs is not None else None
-        choices.append({"index": comp.index, "message": {"role": "assistant", "content": comp.text},
-                        "logprobs": logprobs, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+        message, finish_reason = _chat_message(plan, comp)
+        choices.append({"index": comp.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                        "stop_reason": comp.stop_reason})
     return JSONResponse({**_chat_header(ctx, "chat.completion"), "choices": choices,
                          "usage": _usage(plan, _generated(outputs))})
 
 
 def _chat_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[str]:
     started = set()
+    tool_streams: Dict[int, ToolCallStream] = {}
+
+    def deltas_of(delta: CompletionOutput) -> tuple:
+        """(the chat deltas of an engine delta, its finish reason) for a plain or a tool-calling choice."""
+        if not plan.tools.calls_tools:
+            return ([{"content": delta.text}] if delta.text else []), delta.finish_reason
+        stream = tool_streams.setdefault(delta.index, ToolCallStream(plan.tools))
+        return stream.feed(delta.text, delta.finish_reason)
 
     def make_choice(i: int, delta: CompletionOutput) -> List[dict]:
         choices = []
@@ -229,11 +250,14 @@ def _chat_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[str]:
             started.add(delta.index)
             choices.append({"index": delta.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
-        if delta.text or delta.finish_reason is not None or (plan.logprobs is not None and delta.token_ids):
-            logprobs = chat_logprobs(ctx, token_infos(delta), plan.logprobs) if plan.logprobs is not None else None
-            content = {"content": delta.text} if delta.text else {}
-            choices.append({"index": delta.index, "delta": content, "logprobs": logprobs,
-                            "finish_reason": delta.finish_reason})
+        pieces, finish_reason = deltas_of(delta)
+        logprobs = chat_logprobs(ctx, token_infos(delta), plan.logprobs) if plan.logprobs is not None else None
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            choices.append({"index": delta.index, "delta": piece, "logprobs": logprobs if last else None,
+                            "finish_reason": finish_reason if last else None})
+        if not pieces and (finish_reason is not None or (plan.logprobs is not None and delta.token_ids)):
+            choices.append({"index": delta.index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason})
         return choices
 
     return _chunks(ctx, plan, "chatcmpl", make_choice, _chat_header(ctx, "chat.completion.chunk"))

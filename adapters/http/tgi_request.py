@@ -4,11 +4,13 @@ and the engine's request contract (`sampling_params_from_dict`, `validate`, `fit
 Decoding follows TGI: sampling when `do_sample` is true or any warper is set (`temperature` != 1,
 `top_k`, `top_p`); greedy otherwise. Stop sequences stay in the generated text, as in TGI.
 `max_new_tokens` absent means 100 (TGI's default); `null` means all that fits the context and KV cache.
+`grammar` constrains the output to a JSON schema or a regex (tgi_grammar.py).
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -22,6 +24,7 @@ from paged_backend.sampling_params import RequestOutputKind
 from .body import StrictBody
 from .context import ServerContext
 from .errors import ValidationFailed, refusal
+from .tgi_grammar import grammar_constraint, invalid
 
 MAX_BEST_OF = 4
 MAX_STOP_SEQUENCES = 4
@@ -100,8 +103,6 @@ def _check_unsupported(p: TGIParameters) -> None:
         _fail("`typical_p` is not supported by this server", "typical_p")
     if p.watermark:
         _fail("`watermark` is not supported by this server", "watermark")
-    if p.grammar is not None:
-        _fail("grammar is not supported", "grammar")
     if p.adapter_id is not None:
         _fail("`adapter_id` is not supported: this server has no adapters", "adapter_id")
 
@@ -147,7 +148,8 @@ def vllm_values(p: TGIParameters, best_of: int, seed: Optional[int]) -> Dict[str
         "n": best_of, "best_of": best_of, "temperature": (p.temperature or 1.0) if sampling else 0.0,
         "repetition_penalty": p.repetition_penalty, "frequency_penalty": p.frequency_penalty, "seed": seed,
         "stop": list(p.stop or []) or None, "include_stop_str_in_output": True, "logprobs": p.top_n_tokens or 0,
-        "max_tokens": p.max_new_tokens, "truncate_prompt_tokens": p.truncate}
+        "max_tokens": p.max_new_tokens, "truncate_prompt_tokens": p.truncate,
+        "structured_outputs": grammar_constraint(p.grammar)}
     if sampling:
         values.update(top_k=p.top_k, top_p=p.top_p)
     return values
@@ -172,6 +174,8 @@ def plan_tgi(ctx: ServerContext, request: TGIRequest, stream: bool) -> TGIPlan:
         ids = ctx.engine.validate(request.inputs, params)
         params = ctx.engine.fit_max_tokens(len(ids), params, default=default, param="max_new_tokens")
     except InvalidRequest as exc:
+        if exc.param == "structured_outputs":  # the grammar did not compile
+            raise invalid(re.sub(r"^invalid structured_outputs\.\w+: ", "", str(exc))) from None
         raise refusal(exc, TGI_NAMES) from None
     return TGIPlan(request.inputs, ids, params, best_of, seed, p.details, p.decoder_input_details,
                    p.top_n_tokens or 0, bool(p.return_full_text))
