@@ -91,14 +91,15 @@ def _params(system: str, output_tokens: int) -> SamplingParams:
 
 def _run(engine: LLMEngine, prompts: List[List[int]], system: str, output_tokens: int, tag: str) -> dict:
     """All requests at once, stepped to the end: wall time, tokens, steps, grammar time."""
-    import paged_backend.engine as engine_module
+    import paged_backend.token_processor as token_processor_module
     from paged_backend.structured_matcher import GrammarMasker
 
     timer = CallTimer()
     params = _params(system, output_tokens)
     finals = {}
     steps_before = engine.get_stats().num_steps
-    with timer.wrapping(GrammarMasker, "apply", "mask"), timer.wrapping(engine_module, "accept_grammar", "accept"):
+    with timer.wrapping(GrammarMasker, "apply", "mask"), \
+            timer.wrapping(token_processor_module, "accept_grammar", "accept"):
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{tag}-{i}", prompt, params)
