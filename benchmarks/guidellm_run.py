@@ -60,10 +60,14 @@ def offline_env(threads: int = 1, workers: int = 1) -> Dict[str, str]:
 
 def run_guidellm(executable: Path, scenario_data: dict, work_dir: Path, name: str, timeout_s: float) -> dict:
     """Run guidellm on a scenario; returns its JSON report (raises with the log's tail if it fails)."""
+    work_dir = work_dir.resolve()  # guidellm runs inside work_dir: every path it is given must be absolute
     work_dir.mkdir(parents=True, exist_ok=True)
     scenario_path = work_dir / f"{name}.scenario.json"
-    report_path = Path(scenario_data["spec"]["outputs"][0]["path"])
-    scenario_path.write_text(json.dumps(scenario_data, indent=2))
+    output = dict(scenario_data["spec"]["outputs"][0])
+    report_path = Path(output["path"]).resolve()
+    output["path"] = str(report_path)
+    spec = {**scenario_data["spec"], "outputs": [output, *scenario_data["spec"]["outputs"][1:]]}
+    scenario_path.write_text(json.dumps({**scenario_data, "spec": spec}, indent=2))
     log = work_dir / f"{name}.log"
     with open(log, "w") as out:
         try:

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from conftest import assert_no_leaks, get_model
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.benchmarks.contiguous import BuddyArena, FirstFitArena
 from paged_backend.benchmarks.docgen import render
-from paged_backend.benchmarks.guidellm_run import GuidellmLoad, scenario
+from paged_backend.benchmarks.guidellm_run import GuidellmLoad, run_guidellm, scenario
 from paged_backend.benchmarks.provenance import GitState, dirty_refusal, git_state
 from paged_backend.benchmarks.repeat import format_spread, interleaved_order, paired_ratio, run_interleaved, spread
 from paged_backend.benchmarks.server_process import CpuSampler
@@ -387,3 +388,24 @@ def test_documented_run_records_beside_the_plot_and_regenerates_the_page(tmp_pat
     assert (docs / "img" / "bench-overhead.png").stat().st_size > 1000
     page = (docs / "benchmarks.md").read_text()
     assert "paged-backend bench overhead --documented" in page and "running seqs" in page
+
+
+FAKE_GUIDELLM = """#!/bin/sh
+# guidellm's contract as run_guidellm uses it: `run --scenario PATH ...`, run in the work directory; write the
+# JSON report where the scenario's first output says.
+test -f "$3" || { echo "no scenario at $3 (cwd $(pwd))"; exit 2; }
+exec "$PYTHON" -c 'import json, sys; s = json.load(open(sys.argv[1])); open(s["spec"]["outputs"][0]["path"], "w").write("{}")' "$3"
+"""
+
+
+def test_guidellm_gets_paths_that_hold_in_its_own_working_directory(tmp_path, monkeypatch):
+    """`make bench` passes a relative scratch directory; guidellm runs inside it, so relative paths broke."""
+    fake = tmp_path / "guidellm"
+    fake.write_text(FAKE_GUIDELLM)
+    fake.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHON", sys.executable)
+    load = GuidellmLoad(concurrencies=(1,), requests=(1,), prompt_tokens=4, output_tokens=2)
+    spec = scenario("http://127.0.0.1:1", "m", str(tmp_path), {}, load, Path("results/guidellm/r0.json"))
+    assert run_guidellm(fake, spec, Path("results/guidellm"), "r0", timeout_s=60) == {}
+    assert (tmp_path / "results/guidellm/r0.json").exists() and (tmp_path / "results/guidellm/r0.scenario.json").exists()
