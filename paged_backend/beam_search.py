@@ -75,6 +75,14 @@ class BeamSearchState:
         self.cur_len = self.prompt_len
         self._eos_set: Set[int] = set(self.eos_ids)
 
+    def _follow(self, device: torch.device) -> None:
+        """Keep the running and finished scores on the device of the log-probs (a GPU model's beams are scored
+        there, as transformers does, so ties break the same way)."""
+        if self.running_scores.device != device:
+            self.running_scores = self.running_scores.to(device)
+            self.finished_scores = self.finished_scores.to(device)
+            self.finished_flags = self.finished_flags.to(device)
+
     @property
     def num_candidates(self) -> int:
         return max(2, 1 + len(self.eos_ids)) * self.beam_width
@@ -86,6 +94,7 @@ class BeamSearchState:
         returns the new live beams, best first."""
         k = self.beam_width
         vocab = log_probs.shape[1]
+        self._follow(log_probs.device)
         accumulated = (log_probs + self.running_scores[:, None]).reshape(-1)
         top_scores, top_index = torch.topk(accumulated, k=self.num_candidates)
         parents = (top_index // vocab).tolist()
@@ -93,7 +102,7 @@ class BeamSearchState:
         at_max_length = self.cur_len + 1 >= self.max_length
         stops = self._stop_strings(parents, tokens, beam_tokens)
         hits = torch.tensor([at_max_length or t in self._eos_set or stop is not None
-                             for t, stop in zip(tokens, stops)], dtype=torch.bool)
+                             for t, stop in zip(tokens, stops)], dtype=torch.bool, device=log_probs.device)
 
         running = top_scores + hits.to(torch.float32) * _BIG
         keep = torch.topk(running, k=k)[1].tolist()
@@ -116,12 +125,12 @@ class BeamSearchState:
                          tokens: List[int], beam_tokens: List[List[int]], paths: List[List[int]],
                          stops: List[Optional[str]]) -> None:
         k = self.beam_width
-        top_mask = torch.arange(len(tokens)) < k
+        top_mask = torch.arange(len(tokens), device=hits.device) < k
         just_finished = hits & top_mask
         scores = top_scores / ((self.cur_len + 1 - self.prompt_len) ** self.length_penalty)
         full = bool(self.finished_flags.all()) and self.early_stopping is True
-        scores += torch.tensor(float(full), dtype=torch.float32) * _BIG
-        scores += torch.tensor(float(not self.heuristic_unsatisfied), dtype=torch.float32) * _BIG
+        scores += float(full) * _BIG
+        scores += float(not self.heuristic_unsatisfied) * _BIG
         scores += (~just_finished) * _BIG
         merged_scores = torch.cat((self.finished_scores, scores))
         merged_flags = torch.cat((self.finished_flags, just_finished))
@@ -147,7 +156,7 @@ class BeamSearchState:
             best_len = self.cur_len - self.prompt_len
         best_possible = self.running_scores[:1] / (best_len ** self.length_penalty)
         worst_finished = torch.where(self.finished_flags, torch.min(self.finished_scores),
-                                     torch.tensor(_BIG, dtype=torch.float32))
+                                     torch.tensor(_BIG, dtype=torch.float32, device=hits.device))
         self.heuristic_unsatisfied = self.heuristic_unsatisfied and bool(torch.any(best_possible > worst_finished))
         exists_open_beam = not (bool(self.finished_flags.all()) and self.early_stopping is True)
         valid_continuations = not bool(hits.all())

@@ -1,0 +1,299 @@
+"""The engine end to end on a CUDA GPU (Triton kernels): fidelity, features under memory pressure, throughput.
+
+Run on a CUDA machine: `python -m paged_backend.benchmarks.gpu_engine --output DIR`. It (1) generates greedy
+tokens with every tiny preset in float32 (TF32 off) and compares them with transformers' `generate` on the
+same GPU and weights, (2) runs a mixed workload (greedy, seeded n=3 sampling, beam search) on a cache small
+enough to preempt, once per preemption mode, and compares every output with the same request run alone on a
+large cache, (3) times a random-weight Llama-like model of about 1B parameters in bfloat16: the engine's
+output tokens/s against transformers' static batches over the same requests, interleaved repetitions.
+Importable without a GPU; `main` refuses to run without one. Writes `gpu_engine.json` and `gpu_engine.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.kernels import kernel_backend
+from paged_backend.loader import TINY_PRESETS, load_model
+
+DEVICE = "cuda"   # a CPU smoke run of the script sets "cpu"
+FIDELITY_PROMPT_LENS = (5, 19, 40)      # longer than the families' 8-token windows
+FIDELITY_NEW_TOKENS = 24
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prompts(lengths: Sequence[int], vocab: int, seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _hf_greedy(model, prompt: List[int], new_tokens: int) -> List[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def _ours_greedy(model, tokenizer, prompts: List[List[int]]) -> List[List[int]]:
+    llm = LLM(model, tokenizer=tokenizer, device=DEVICE, num_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=FIDELITY_NEW_TOKENS, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _first_divergence(got: List[List[int]], want: List[List[int]]) -> List[Optional[int]]:
+    return [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
+
+
+def _diagnose(model, tokenizer, prompts: List[List[int]], want: List[List[int]], got: List[List[int]]
+              ) -> dict:
+    """Which side a mismatch comes from: our reference (PyTorch) kernels on the same GPU against transformers,
+    and ours against transformers' eager attention."""
+    previous = os.environ.get("PAGED_BACKEND_KERNELS")
+    os.environ["PAGED_BACKEND_KERNELS"] = "torch"
+    try:
+        reference = _ours_greedy(model, tokenizer, prompts)
+    finally:
+        if previous is None:
+            os.environ.pop("PAGED_BACKEND_KERNELS")
+        else:
+            os.environ["PAGED_BACKEND_KERNELS"] = previous
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    eager = [_hf_greedy(model, p, FIDELITY_NEW_TOKENS) for p in prompts]
+    model.set_attn_implementation(implementation)
+    return {"hf_attention": implementation, "reference_kernels_same_as_hf": reference == want,
+            "reference_kernels_same_as_triton": reference == got, "hf_eager_same_as_hf": eager == want,
+            "reference_kernels": reference, "hf_eager": eager}
+
+
+def check_fidelity(presets: Sequence[str] = TINY_PRESETS) -> Dict[str, dict]:
+    """Greedy tokens of each preset, ours (Triton kernels on CUDA) against transformers on the same GPU; a
+    mismatch is diagnosed (`_diagnose`)."""
+    results = {}
+    for name in presets:
+        try:
+            model, tokenizer = load_model(name, dtype=torch.float32, device=DEVICE)
+            prompts = _prompts(FIDELITY_PROMPT_LENS, model.config.vocab_size, seed=len(name))
+            want = [_hf_greedy(model, p, FIDELITY_NEW_TOKENS) for p in prompts]
+            got = _ours_greedy(model, tokenizer, prompts)
+            same = [g == w for g, w in zip(got, want)]
+            results[name] = {"same": all(same), "prompts_same": sum(same), "prompts": len(prompts),
+                             "backend": kernel_backend(torch.empty(1, device=DEVICE))}
+            if not all(same):
+                diagnosis = _diagnose(model, tokenizer, prompts, want, got)
+                results[name].update(diagnosis, first_divergence=_first_divergence(got, want), ours=got, hf=want)
+            del model
+        except Exception as exc:  # one family's failure must not hide the others'
+            results[name] = {"same": False, "error": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()[-2000:]}
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        print(f"fidelity {name}: {results[name]}", flush=True)
+    return results
+
+
+def _pressure_workload(vocab: int) -> List[tuple]:
+    rng = random.Random(7)
+    work = []
+    for i in range(12):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 60))]
+        kind = i % 3
+        if kind == 0:
+            params = SamplingParams(temperature=0, max_tokens=rng.randrange(16, 48), ignore_eos=True)
+        elif kind == 1:
+            params = SamplingParams(n=3, temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=rng.randrange(16, 40),
+                                    ignore_eos=True)
+        else:
+            params = SamplingParams(beam_width=3, n=2, temperature=0, max_tokens=rng.randrange(12, 32),
+                                    ignore_eos=True)
+        work.append((prompt, params))
+    return work
+
+
+def _texts(outputs) -> List[List[List[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def check_pressure(mode: str) -> dict:
+    """Mixed requests on 20 blocks of 16 (preempting by `mode`) against each request alone on a large cache."""
+    model, tokenizer = load_model("tiny-llama", dtype=torch.float32, device=DEVICE)
+    work = _pressure_workload(model.config.vocab_size)
+    alone = LLM(model, tokenizer=tokenizer, device=DEVICE, num_blocks=512)
+    alone_outputs = [alone.generate([p], params, use_tqdm=False)[0] for p, params in work]
+    want = _texts(alone_outputs)
+    alone_errors = [o.error for o in alone_outputs]
+    tight = LLM(model, tokenizer=tokenizer, device=DEVICE, num_blocks=20, preemption_mode=mode,
+                **({"num_swap_blocks": 256} if mode == "swap" else {}))
+    outputs = tight.generate([p for p, _ in work], [params for _, params in work], use_tqdm=False)
+    got = _texts(outputs)
+    errors = [o.error for o in outputs if o.error] + [e for e in alone_errors if e]
+    stats = tight.get_stats()
+    same = [g == w for g, w in zip(got, want)]
+    return {"same": all(same) and not errors, "requests_same": sum(same), "requests": len(work),
+            "errors": errors[:3], "num_errors": len(errors),
+            "preemptions": stats.num_preemptions, "swap_preemptions": stats.num_swap_preemptions,
+            "recompute_preemptions": stats.num_recompute_preemptions, "free_blocks_after": stats.num_free_blocks,
+            "blocks": stats.num_blocks}
+
+
+# ---- throughput --------------------------------------------------------------------------------------------
+def llama_1b(vocab: int = 32000):
+    """A random-weight Llama-like model of about 1.1B parameters (TinyLlama's shape), bfloat16 on the GPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                         num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def _throughput_workload(num: int, seed: int = 0) -> List[tuple]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 32000) for _ in range(rng.randrange(32, 512))], rng.randrange(32, 256))
+            for _ in range(num)]
+
+
+def _ours_seconds(llm: LLM, work: List[tuple]) -> float:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    _sync()
+    start = time.perf_counter()
+    llm.generate([p for p, _ in work], params, use_tqdm=False)
+    _sync()
+    return time.perf_counter() - start
+
+
+def _hf_static_seconds(model, work: List[tuple], batch: int) -> float:
+    """transformers' generate over static batches of `batch` (left padded, each batch runs to its longest)."""
+    _sync()
+    start = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long, device=DEVICE)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(chunk):
+            ids[r, width - len(p):] = torch.tensor(p, device=DEVICE)
+            mask[r, width - len(p):] = 1
+        longest = max(n for _, n in chunk)
+        model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                       pad_token_id=0)
+    _sync()
+    return time.perf_counter() - start
+
+
+def time_throughput(num_requests: int = 256, repetitions: int = 3, hf_batch: int = 64,
+                    kv_cache_memory: str = "8GiB") -> dict:
+    """Output tokens/s of the engine and of transformers' static batches on the same requests, interleaved."""
+    model = llama_1b()
+    work = _throughput_workload(num_requests)
+    useful = sum(n for _, n in work)
+    llm = LLM(model, device=DEVICE, kv_cache_memory=kv_cache_memory, max_num_seqs=256, max_num_batched_tokens=8192)
+    _ours_seconds(llm, work[:8])                                   # warm-up: kernel compilation
+    _hf_static_seconds(model, work[:hf_batch // 8], hf_batch // 8)
+    ours, hf = [], []
+    for _ in range(repetitions):
+        ours.append(useful / _ours_seconds(llm, work))
+        hf.append(useful / _hf_static_seconds(model, work, hf_batch))
+    ratios = [o / h for o, h in zip(ours, hf)]
+    stats = llm.get_stats()
+    return {"model": "random Llama 1.1B (TinyLlama shape), bfloat16", "requests": num_requests,
+            "useful_output_tokens": useful, "kv_cache_memory": kv_cache_memory, "hf_batch": hf_batch,
+            "ours_tok_s": ours, "hf_static_tok_s": hf, "ratio_median": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)], "preemptions": stats.num_preemptions,
+            "kv_blocks": stats.num_blocks}
+
+
+def report_markdown(result: dict) -> str:
+    lines = [f"# The engine on {result['device']}", ""]
+    lines += ["## Greedy tokens against transformers on the same GPU (float32, TF32 off)", "",
+              "| model | same tokens | note |", "| --- | --- | --- |"]
+    for name, row in result.get("fidelity", {}).items():
+        note = row.get("error", f"{row.get('prompts_same')}/{row.get('prompts')} prompts, kernels: {row.get('backend')}")
+        if "first_divergence" in row:
+            note += (f"; first divergence at {row['first_divergence']}; our PyTorch kernels on the GPU "
+                     f"{'match' if row['reference_kernels_same_as_hf'] else 'differ from'} transformers and "
+                     f"{'match' if row['reference_kernels_same_as_triton'] else 'differ from'} the Triton ones; "
+                     f"transformers' eager attention {'matches' if row['hf_eager_same_as_hf'] else 'differs from'} "
+                     f"its {row['hf_attention']}")
+        lines.append(f"| {name} | {'yes' if row['same'] else 'NO'} | {note} |")
+    lines += ["", "## Mixed requests under memory pressure (20 blocks of 16) against each request alone", "",
+              "| preemption | same outputs | preemptions | free blocks after |", "| --- | --- | --- | --- |"]
+    for mode, row in result.get("pressure", {}).items():
+        if "error" in row:
+            lines.append(f"| {mode} | NO | {row['error']} | |")
+        else:
+            failed = f", {row['num_errors']} FAILED: {row['errors'][:1]}" if row.get("num_errors") else ""
+            lines.append(f"| {mode} | {row['requests_same']}/{row['requests']}{failed} | {row['preemptions']} | "
+                         f"{row['free_blocks_after']}/{row['blocks']} |")
+    tp = result.get("throughput")
+    if tp and "error" not in tp:
+        lines += ["", f"## Throughput: {tp['model']}, {tp['requests']} requests", "",
+                  "| system | output tok/s (per repetition) |", "| --- | --- |",
+                  f"| paged-backend | {', '.join(f'{v:.0f}' for v in tp['ours_tok_s'])} |",
+                  f"| transformers generate, static batches of {tp['hf_batch']} | "
+                  f"{', '.join(f'{v:.0f}' for v in tp['hf_static_tok_s'])} |", "",
+                  f"Ratio (median of interleaved repetitions): {tp['ratio_median']:.2f}x "
+                  f"(range {tp['ratio_range'][0]:.2f}-{tp['ratio_range'][1]:.2f}); {tp['preemptions']} preemptions, "
+                  f"{tp['kv_blocks']} KV blocks."]
+    elif tp:
+        lines += ["", f"## Throughput: FAILED: {tp['error']}"]
+    return "\n".join(lines) + "\n"
+
+
+def _guarded(fn, *args) -> dict:
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return {"same": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", help="folder for gpu_engine.json and gpu_engine.md")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_engine needs a CUDA GPU (none found); nothing was run.", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["fidelity"] = check_fidelity()
+    result["pressure"] = {mode: _guarded(check_pressure, mode) for mode in ("swap", "recompute")}
+    print(f"pressure: {result['pressure']}", flush=True)
+    if not args.skip_throughput:
+        result["throughput"] = _guarded(time_throughput)
+        print(f"throughput: {result['throughput']}", flush=True)
+    report = report_markdown(result)
+    print(report)
+    if args.output:
+        folder = Path(args.output)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "gpu_engine.json").write_text(json.dumps(result, indent=2))
+        (folder / "gpu_engine.md").write_text(report)
+    failed = [n for n, r in result["fidelity"].items() if not r["same"]]
+    failed += [m for m, r in result["pressure"].items() if not r["same"]]
+    return 1 if failed or "error" in result.get("throughput", {}) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

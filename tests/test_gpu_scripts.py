@@ -1,0 +1,36 @@
+"""The GPU session's scripts (benchmarks/gpu_session.sh) on this CPU machine: both refuse to run without CUDA,
+and the engine script's pressure check, pointed at the CPU, compares outputs and counts failed requests."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_backend.benchmarks import gpu_engine, gpu_kernels
+
+
+def test_both_scripts_refuse_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_engine.main([]) == 2
+    assert gpu_kernels.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_pressure_check_on_the_cpu_preempts_and_matches(monkeypatch):
+    monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
+    row = gpu_engine.check_pressure("swap")
+    assert row["same"] and row["num_errors"] == 0, row
+    assert row["swap_preemptions"] > 0 and row["free_blocks_after"] == row["blocks"], row
+
+
+def test_a_failed_request_fails_the_pressure_check(monkeypatch):
+    monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
+    real = gpu_engine._pressure_workload
+
+    def with_a_bad_processor(vocab):
+        work = real(vocab)
+        prompt, params = work[0]
+        params.logits_processors = [lambda ids, logits: 1 / 0]   # fails that request, alone and under pressure
+        return work
+    monkeypatch.setattr(gpu_engine, "_pressure_workload", with_a_bad_processor)
+    row = gpu_engine.check_pressure("recompute")
+    assert not row["same"] and row["num_errors"] == 2 and "ZeroDivisionError" in row["errors"][0], row
