@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .provenance import REPO_ROOT, dirty_refusal, git_state
+from .provenance import REPO_ROOT, dirty_refusal, git_state, pinned_git_state
 
 BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")
 DOCS_DIR = REPO_ROOT / "docs"
@@ -170,9 +170,10 @@ def run_bench(args: argparse.Namespace) -> int:
         _refuse_documented(args)
     names = BENCHMARKS if args.benchmark == "all" else (args.benchmark,)
     problems: List[str] = []
-    for name in names:
-        problems += run_one(name, args)
-        print()
+    with pinned_git_state():   # the code cannot change during the run; the records it writes do not count
+        for name in names:
+            problems += run_one(name, args)
+            print()
     if args.documented:
         problems += [f"docs: {p}" for p in regenerate(DOCS_DIR)]
     for problem in problems:

@@ -4,13 +4,14 @@ documented figure can be traced to the code and the conditions that produced it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +46,33 @@ def git_state(root: Path = REPO_ROOT) -> GitState:
     status = _git(["status", "--porcelain", "--untracked-files=all"], root)
     changed = [line[3:] for line in (status or "").splitlines() if line.strip()]
     return GitState(commit.strip(), branch, None if status is None else bool(changed), changed[:50])
+
+
+RECORD_OUTPUTS = ("docs/img/bench-", "docs/benchmarks.md")   # what documented runs write
+_pinned: List[GitState] = []   # the state a documented run started from, while it runs
+
+
+@contextlib.contextmanager
+def pinned_git_state() -> Iterator[GitState]:
+    """Remember the checkout's state at the start of a documented run: each benchmark writes its record into
+    docs/img/ before the next one starts, and those writes must not make the later records read as dirty."""
+    _pinned.append(git_state())
+    try:
+        yield _pinned[-1]
+    finally:
+        _pinned.pop()
+
+
+def recorded_git_state() -> GitState:
+    """The state a record names. Inside `pinned_git_state`: the starting state, dirty also if anything other
+    than the run's own records changed since (code edited mid-run reaches later benchmarks' servers)."""
+    now = git_state()
+    if not _pinned or now.dirty is None:
+        return now
+    start = _pinned[-1]
+    since = [path for path in now.changed if not path.startswith(RECORD_OUTPUTS) and path not in start.changed]
+    return GitState(start.commit, start.branch, bool(start.dirty or since or now.commit != start.commit),
+                    start.changed + since)
 
 
 def load_average() -> List[float]:

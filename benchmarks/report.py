@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .provenance import git_state, load_average, machine, versions
+from .provenance import load_average, machine, recorded_git_state, versions
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
 def conditions(**extra: Any) -> Dict[str, Any]:
     """Machine, software and code facts recorded with every result: time, git commit (and whether the tree
     was dirty), cores, CPU model, memory, load average at the start, versions and torch threads."""
-    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state().as_dict(), "machine": machine(),
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": recorded_git_state().as_dict(), "machine": machine(),
             "versions": versions(), "torch_threads": torch.get_num_threads(), **extra}
 
 

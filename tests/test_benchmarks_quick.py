@@ -222,6 +222,47 @@ def test_documented_runs_refuse_options_and_dirty_trees(monkeypatch, capsys):
     assert "only applies to --documented" in capsys.readouterr().err
 
 
+def test_bench_all_records_every_benchmark_at_the_state_it_started_from(monkeypatch):
+    """`make bench` writes each record into docs/img/ before the next benchmark starts; the later records must
+    still say the code was the clean commit the run started from, not a dirty tree."""
+    import paged_backend.benchmarks.cli as bench_cli
+    import paged_backend.benchmarks.docgen as docgen
+    from paged_backend.benchmarks import provenance
+    from paged_backend.benchmarks.report import conditions
+
+    clean = GitState("c" * 40, "main", False, [])
+    written = []                                  # record files the run has written so far
+
+    def state(root=None):
+        return GitState(clean.commit, "main", bool(written), list(written))
+    monkeypatch.setattr(provenance, "git_state", state)
+    monkeypatch.setattr(bench_cli, "git_state", state)
+    seen = {}
+
+    def run_one(name, args):
+        seen[name] = conditions()["git"]
+        written.append(f"docs/img/bench-{name}.json")
+        return []
+    monkeypatch.setattr(bench_cli, "run_one", run_one)
+    monkeypatch.setattr(docgen, "regenerate", lambda docs_dir: [])
+    assert cli_main(["bench", "all", "--documented"]) == 0
+    assert list(seen) == list(bench_cli.BENCHMARKS)
+    assert all(git == clean.as_dict() for git in seen.values()), seen
+    assert conditions()["git"]["dirty"] is True   # outside a bench run the state is read afresh
+
+    def run_one_then_edit_code(name, args):       # code edited mid-run: the later records say so
+        run_one(name, args)
+        written.append("paged_backend/scheduler.py")
+        return []
+    written.clear()
+    seen.clear()
+    monkeypatch.setattr(bench_cli, "run_one", run_one_then_edit_code)
+    assert cli_main(["bench", "all", "--documented"]) == 0
+    first, *later = seen.values()
+    assert first == clean.as_dict() and all(git["dirty"] and "paged_backend/scheduler.py" in git["changed"]
+                                            for git in later), seen
+
+
 def test_guidellm_scenario_has_one_benchmark_per_concurrency(tmp_path):
     load = GuidellmLoad((1, 4, 16), (8, 8, 32), prompt_tokens=128, output_tokens=64, seed=3)
     s = scenario("http://127.0.0.1:9", "m", "/models/m", {"ignore_eos": True}, load, tmp_path / "r.json")
@@ -409,3 +450,25 @@ def test_guidellm_gets_paths_that_hold_in_its_own_working_directory(tmp_path, mo
     spec = scenario("http://127.0.0.1:1", "m", str(tmp_path), {}, load, Path("results/guidellm/r0.json"))
     assert run_guidellm(fake, spec, Path("results/guidellm"), "r0", timeout_s=60) == {}
     assert (tmp_path / "results/guidellm/r0.json").exists() and (tmp_path / "results/guidellm/r0.scenario.json").exists()
+
+
+def test_recompute_policies_count_what_each_policy_recomputes():
+    from paged_backend.benchmarks.engine_runs import load_bench_model
+    from paged_backend.benchmarks.recompute_policies import POLICIES, run_policy
+    from paged_backend.benchmarks.throughput import QUICK
+    from paged_backend.benchmarks.workloads import make_trace
+
+    size = {**QUICK, "kv_slots": 96}
+    model, tokenizer = load_bench_model(size["model"])
+    trace = make_trace("sharegpt", tokenizer, 12, 0, size["max_prompt_len"], size["max_output_len"])
+    default = run_policy(model, tokenizer, trace, POLICIES["default (watermark 0.01, recompute)"], size)
+    swap = run_policy(model, tokenizer, trace, POLICIES["swap (4096 host blocks beyond the budget)"], size)
+    reserve = run_policy(model, tokenizer, trace, POLICIES["reserve 1 block per running sequence"], size)
+    assert default["preemptions"] > 0 and default["recomputed"] > 0, default
+    assert swap["preemptions"] > 0 and swap["recomputed"] == 0, swap
+    for row in (default, swap, reserve):
+        assert row["failed"] == row["wrong_lengths"] == 0, row
+    trace_prompts = sum(r.prompt_len for r in trace.requests)
+    # a resumed request also runs its newest token in the prefill, which it would have run as a decode anyway
+    assert default["prefill_tokens"] == trace_prompts + default["recomputed"] + default["preemptions"], default
+    assert swap["prefill_tokens"] == trace_prompts, swap
