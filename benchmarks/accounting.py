@@ -72,18 +72,24 @@ def final_length(group: SequenceGroup, max_model_len: int) -> int:
     return min(max_model_len, len(group.prompt_token_ids) + max_tokens)
 
 
+def _span_use(lo: int, hi: int, length: int, final: int) -> Tuple[int, int]:
+    """Slots of positions [lo, hi) holding tokens (below `length`) and reserved (from `length` to `final`)."""
+    used = max(0, min(hi, length) - lo)
+    return used, max(0, min(hi, final) - max(lo, length))
+
+
 def _slot_use(table: List[int], block_size: int, length: int, final: int) -> Tuple[int, int, int]:
     """(slots holding tokens, slots reserved for tokens still to come, slots never to be used) of the blocks a
-    sequence holds; released positions of a sliding-window sequence (holes) hold nothing."""
-    tokens = reserved = internal = 0
-    for i, block in enumerate(table):
-        if block == HOLE:
-            continue
-        lo, hi = i * block_size, (i + 1) * block_size
-        used = min(block_size, max(0, length - lo))
-        ahead = min(block_size - used, max(0, min(hi, final) - max(lo, length)))
-        tokens, reserved, internal = tokens + used, reserved + ahead, internal + block_size - used - ahead
-    return tokens, reserved, internal
+    sequence holds; released positions of a sliding-window sequence (holes) hold nothing. Closed form over
+    the whole table, less the holes (a reservation's table has one entry per slot: no per-slot loop)."""
+    held = len(table) * block_size
+    tokens, reserved = _span_use(0, held, length, final)
+    if HOLE in table:
+        for i, block in enumerate(table):
+            if block == HOLE:
+                hole_tokens, hole_reserved = _span_use(i * block_size, (i + 1) * block_size, length, final)
+                tokens, reserved, held = tokens - hole_tokens, reserved - hole_reserved, held - block_size
+    return tokens, reserved, held - tokens - reserved
 
 
 def _admission_need(bm, group: SequenceGroup) -> int:

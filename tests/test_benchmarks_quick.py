@@ -472,3 +472,34 @@ def test_recompute_policies_count_what_each_policy_recomputes():
     # a resumed request also runs its newest token in the prefill, which it would have run as a decode anyway
     assert default["prefill_tokens"] == trace_prompts + default["recomputed"] + default["preemptions"], default
     assert swap["prefill_tokens"] == trace_prompts, swap
+
+
+def _slot_use_block_by_block(table, block_size, length, final):
+    tokens = reserved = internal = 0
+    for i, block in enumerate(table):
+        if block == -1:
+            continue
+        lo, hi = i * block_size, (i + 1) * block_size
+        used = min(block_size, max(0, length - lo))
+        ahead = min(block_size - used, max(0, min(hi, final) - max(lo, length)))
+        tokens, reserved, internal = tokens + used, reserved + ahead, internal + block_size - used - ahead
+    return tokens, reserved, internal
+
+
+def test_slot_use_in_closed_form_equals_counting_block_by_block():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from paged_backend.benchmarks.accounting import _slot_use
+    from paged_backend.block_manager import HOLE
+
+    assert HOLE == -1
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(st.booleans(), max_size=40), st.sampled_from([1, 4, 16]), st.integers(0, 700),
+           st.integers(0, 700))
+    def check(holes, block_size, length, final):
+        table = [HOLE if hole else i for i, hole in enumerate(holes)]
+        assert _slot_use(table, block_size, length, final) == _slot_use_block_by_block(table, block_size, length,
+                                                                                        final)
+    check()
