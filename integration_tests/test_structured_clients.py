@@ -4,8 +4,9 @@ InferenceClient. JSON outputs validate against their schemas, regex outputs full
 tool calls name a tool and their arguments validate against its parameters, at temperature 0 and 1 with
 n = 3; invalid schemas and regexes fail their own request only.
 
-Every request is sent at once (one engine batch, a few seconds of SmolLM2); the tests then check the
-replies. The server is this module's own: the shared HTTP server runs the random-weight tiny-llama.
+Every request is sent at once (one engine batch, a few seconds of SmolLM2) to a KV cache too small to hold
+them all, so the engine preempts some while their grammars are mid-way (48 MiB: 68 blocks of 16); the tests then check the replies. The
+server is this module's own: the shared HTTP server runs the random-weight tiny-llama.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris? Use th
 
 @pytest.fixture(scope="module")
 def server(request):
-    srv = ServerProcess(["smollm2", "--kv-cache-memory", "192MiB", "--api-key", HTTP_API_KEY, "--log-level",
+    srv = ServerProcess(["smollm2", "--kv-cache-memory", "48MiB", "--api-key", HTTP_API_KEY, "--log-level",
                          "warning"])
     request.addfinalizer(srv.stop)
     srv.wait_ready()
@@ -206,3 +207,4 @@ def test_every_block_is_free_and_nothing_failed(server, replies):
         m = wait_idle(http)
     assert m["paged_backend:kv_blocks_free"] == m["paged_backend:kv_blocks_total"]
     assert m["paged_backend:requests_failed_total"] == 0
+    assert m["paged_backend:num_preemptions_total"] > 0   # constrained requests were preempted and came back
