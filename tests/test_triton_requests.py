@@ -181,11 +181,11 @@ def test_a_vllm_backend_model_json_loads_unchanged():
                                       "disable_log_stats": True, "swap_space": 2, "num_gpu_blocks_override": 40,
                                       "max_logprobs": "5", "enable_prefix_caching": "true", "block_size": "8",
                                       "max_num_seqs": 4, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                                      "quantization": None, "kv_cache_dtype": "auto"})
+                                      "quantization": None, "kv_cache_dtype": "fp8_e4m3"})
     assert vllm_names.dtype == "bfloat16" and vllm_names.trust_remote_code and vllm_names.disable_log_stats
     assert vllm_names.engine == {"swap_space": 2 * 2 ** 30, "num_blocks": 40, "max_logprobs": 5,
                                  "enable_prefix_caching": True, "block_size": 8, "max_num_seqs": 4,
-                                 "tensor_parallel_size": 1}
+                                 "tensor_parallel_size": 1, "kv_cache_dtype": "fp8_e4m3"}
 
 
 @pytest.mark.parametrize("values, message", [
@@ -201,7 +201,7 @@ def test_a_vllm_backend_model_json_loads_unchanged():
     ({"pipeline_parallel_size": 2}, "pipeline parallelism is not implemented"),
     ({"quantization": "awq"}, "quantized weights are not supported"),
     ({"enable_lora": "true"}, "LoRA adapters are not supported"),
-    ({"kv_cache_dtype": "fp8"}, "the KV cache has the model's dtype"),
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, bfloat16"),
     ({"enable_prefix_caching": "sometimes"}, "enable_prefix_caching must be a boolean"),
     ({"model": ""}, "model in model.json"),
 ])
@@ -274,3 +274,16 @@ def test_repository_layouts(tmp_path):
 def test_lora_is_refused_as_the_vllm_backend_refuses_it_when_disabled():
     with pytest.raises(UnsupportedParameter, match="LoRA feature is not enabled"):
         parse_generate_request({"text_input": text("x"), "sampling_parameters": text('{"lora_name": "a"}')})
+
+
+def test_model_json_kv_cache_dtype_reaches_the_engine():
+    import torch
+
+    from paged_backend import LLM, SamplingParams
+
+    opts = parse_model_options({"model": "tiny-llama", "dtype": "float32", "kv_cache_dtype": "fp8", "num_blocks": 32})
+    llm = LLM(opts.model, **engine_kwargs(opts, Placement("cpu", 1)))
+    assert llm.engine.config.cache.kv_cache_dtype == "fp8"
+    assert llm.engine.runner.cache_engine.kv.dtype == torch.float8_e4m3fn
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

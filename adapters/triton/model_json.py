@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
 from paged_backend.coerce import to_bool, to_float, to_int, to_str
-from paged_backend.config import EngineConfig, parse_memory
+from paged_backend.config import KV_CACHE_DTYPES, EngineConfig, parse_memory
 
 MODEL_JSON = "model.json"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -53,6 +53,13 @@ def _preemption(name: str, value: Any) -> Optional[str]:
     raise ValueError(f"{name} must be 'recompute' or 'swap' (or null for the engine's choice), got {value!r}")
 
 
+def _kv_cache_dtype(name: str, value: Any) -> str:
+    text = to_str(name, value).strip().lower()
+    if text not in KV_CACHE_DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+    return text
+
+
 def _dtype(name: str, value: Any) -> str:
     text = str(value).strip().lower()
     text = _DTYPE_ALIASES.get(text.removeprefix("torch."), text.removeprefix("torch."))
@@ -79,6 +86,7 @@ _ENGINE_ARGS: Dict[str, tuple] = {
     "num_gpu_blocks_override": (_optional(to_int), "num_blocks"),
     "kv_cache_memory_bytes": (_optional(_memory), "kv_cache_memory"),
     "preemption_mode": (_optional(_preemption), "preemption_mode"),
+    "kv_cache_dtype": (_kv_cache_dtype, "kv_cache_dtype"),
     # this engine's own sizing options
     "num_blocks": (_optional(to_int), "num_blocks"), "kv_cache_memory": (_optional(_memory), "kv_cache_memory"),
     "num_swap_blocks": (_optional(to_int), "num_swap_blocks"), "watermark": (to_float, "watermark"),
@@ -104,7 +112,6 @@ NO_MEANING_HERE = frozenset({
 ONLY_DEFAULT: Dict[str, tuple] = {
     "pipeline_parallel_size": (1, "pipeline parallelism is not implemented (use tensor_parallel_size)"),
     "quantization": (None, "quantized weights are not supported"),
-    "kv_cache_dtype": ("auto", "the KV cache has the model's dtype"),
     "enable_lora": (False, "LoRA adapters are not supported"),
     "speculative_config": (None, "speculative decoding is not implemented"),
     "speculative_model": (None, "speculative decoding is not implemented"),
