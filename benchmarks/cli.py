@@ -170,7 +170,7 @@ def run_bench(args: argparse.Namespace) -> int:
         _refuse_documented(args)
     names = BENCHMARKS if args.benchmark == "all" else (args.benchmark,)
     problems: List[str] = []
-    with pinned_git_state():   # the code cannot change during the run; the records it writes do not count
+    with pinned_git_state():   # the records this run writes do not make the later ones dirty
         for name in names:
             problems += run_one(name, args)
             print()
