@@ -503,3 +503,13 @@ def test_slot_use_in_closed_form_equals_counting_block_by_block():
         assert _slot_use(table, block_size, length, final) == _slot_use_block_by_block(table, block_size, length,
                                                                                         final)
     check()
+
+
+def test_step_profile_runs_and_names_the_engine_phases(capsys):
+    from paged_backend.benchmarks.step_profile import main as step_profile
+
+    assert step_profile(["--batch", "4", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 running sequences" in out and "ms per step unprofiled" in out
+    for phase in ("scheduler.py", "input_builder.py", "token_processor.py"):
+        assert phase in out, phase
