@@ -66,8 +66,9 @@ def run_policy(model, tokenizer, trace, options: dict, size: dict = ANCHOR) -> d
     reserve = options.pop("reserve_per_seq", None)
     engine = build_engine(model, tokenizer, "paged", size["kv_slots"], size.get("block_size", 16),
                           size["max_prompt_len"] + size["max_output_len"], **options)
-    if reserve is not None:
-        engine.scheduler.__class__ = type("Reserving", (ReservingScheduler,), {"reserve_per_seq": reserve})
+    if reserve is not None:  # the engine's scheduler, with this admission rule on top
+        engine.scheduler.__class__ = ReservingScheduler
+        engine.scheduler.reserve_per_seq = reserve
     engine.runner = DryRunner.for_engine(engine)
     try:
         run = run_trace(engine, trace, "paged", size["kv_slots"])
