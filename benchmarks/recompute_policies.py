@@ -34,11 +34,11 @@ class ReservingScheduler(Scheduler):
 
     def _admit_waiting(self, out, budget) -> None:
         bm = self.block_manager
-        reserve = math.ceil(self.reserve_per_seq * sum(g.max_num_running_seqs() for g in self.running))
         plain = bm.can_allocate
 
-        def can_allocate(group):
+        def can_allocate(group):  # the running set grows as this pass admits requests
             status = plain(group)
+            reserve = math.ceil(self.reserve_per_seq * sum(g.max_num_running_seqs() for g in self.running))
             room = bm.get_num_free_blocks() - bm.admission_blocks(group) - bm.watermark_blocks
             if status == AllocStatus.OK and group.num_preemptions == 0 and room < reserve:
                 return AllocStatus.LATER

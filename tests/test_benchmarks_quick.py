@@ -472,6 +472,11 @@ def test_recompute_policies_count_what_each_policy_recomputes():
     # a resumed request also runs its newest token in the prefill, which it would have run as a decode anyway
     assert default["prefill_tokens"] == trace_prompts + default["recomputed"] + default["preemptions"], default
     assert swap["prefill_tokens"] == trace_prompts, swap
+    assert reserve["prefill_tokens"] == trace_prompts + reserve["recomputed"] + reserve["preemptions"], reserve
+    # the what-if admission rule is in force: with a reserve no cache can hold, a new request waits until
+    # nothing else runs, so every step runs one request
+    alone = run_policy(model, tokenizer, trace, {"reserve_per_seq": 1000}, size)
+    assert default["avg_batch"] > 1 and alone["avg_batch"] == 1.0 and alone["preemptions"] == 0, alone
 
 
 def _slot_use_block_by_block(table, block_size, length, final):
