@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
-from paged_backend.block_manager import HOLE
-from paged_backend.sequence import SequenceGroup
+from paged_backend.core.block_manager import HOLE
+from paged_backend.core.sequence import SequenceGroup
 
 from .reservation import ReservationBlockManager
 

@@ -27,10 +27,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from paged_backend import kernels
-from paged_backend.cache_engine import CacheEngine, kv_cache_torch_dtype, kv_geometry
+from paged_backend.worker.cache_engine import CacheEngine, kv_cache_torch_dtype, kv_geometry
 from paged_backend.kernels import reference
-from paged_backend.model_runner import ModelRunner
-from paged_backend.step_inputs import StepInputs
+from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.step_inputs import StepInputs
 
 BACKENDS = ("cpp", "torch")
 
@@ -296,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from paged_backend.loader import load_model
+    from paged_backend.worker.loader import load_model
 
     model, _ = load_model(args.model, dtype=torch.float32)
     shapes = workloads(args.seed, [int(x) for x in args.batches.split(",")])

@@ -31,7 +31,7 @@ SYSTEM_LABELS = {"paged": "paged (ours)", "max": "reserve max len", "pow2": "res
 def load_bench_model(name: str, dtype: torch.dtype = torch.float32, context: int = MAX_TOTAL_TOKENS):
     """(model, tokenizer) for a preset; a tiny preset's context is raised to `context` (RoPE has no
     learned positions), so the trace's 2048-token requests fit."""
-    from paged_backend.loader import TINY_PRESETS, load_model
+    from paged_backend.worker.loader import TINY_PRESETS, load_model
 
     model, tokenizer = load_model(name, dtype=dtype)
     if name in TINY_PRESETS:
@@ -43,7 +43,7 @@ def load_bench_model(name: str, dtype: torch.dtype = torch.float32, context: int
 
 def load_tokenizer(name: str):
     """The tokenizer of a preset or model directory, without keeping a large model in memory."""
-    from paged_backend.loader import PRESETS, load_model
+    from paged_backend.worker.loader import PRESETS, load_model
 
     if name in PRESETS:
         return load_model("tiny-llama")[1]  # every preset uses SmolLM2's tokenizer

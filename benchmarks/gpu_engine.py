@@ -26,7 +26,7 @@ import torch
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import kernel_backend
-from paged_backend.loader import TINY_PRESETS, load_model
+from paged_backend.worker.loader import TINY_PRESETS, load_model
 
 DEVICE = "cuda"   # a CPU smoke run of the script sets "cpu"
 FIDELITY_PROMPT_LENS = (5, 19, 40)      # longer than the families' 8-token windows

@@ -22,7 +22,7 @@ _MARKER = ".paged-backend-complete"
 
 def venv_dir() -> Path:
     """Where the guidellm environment lives: $PAGED_BACKEND_CACHE (or ~/.cache/paged_backend)/guidellm/..."""
-    from paged_backend.loader import cache_dir
+    from paged_backend.worker.loader import cache_dir
 
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return cache_dir() / "guidellm" / f"guidellm-{GUIDELLM_VERSION}-{py}"

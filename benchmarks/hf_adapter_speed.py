@@ -49,7 +49,7 @@ def _timed(fn):
 def run(model_name: str, batch: int, max_new_tokens: int, dtype: torch.dtype, threads: int,
         engine_options: dict, repeats: int = 3) -> dict:
     from paged_backend.adapters.hf import attach, detach
-    from paged_backend.loader import load_model
+    from paged_backend.worker.loader import load_model
 
     if threads:
         torch.set_num_threads(threads)

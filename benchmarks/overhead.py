@@ -69,7 +69,7 @@ class PhaseTimer:
 @contextlib.contextmanager
 def instrumented(engine: LLMEngine, timer: PhaseTimer) -> Iterator[None]:
     """Time the phases of `engine.step` by wrapping the methods it calls; restores them afterwards."""
-    import paged_backend.engine as engine_module
+    import paged_backend.engine.llm_engine as engine_module
     from paged_backend import kernels
 
     bm = engine.block_manager

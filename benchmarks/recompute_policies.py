@@ -17,8 +17,8 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from paged_backend.block_manager import AllocStatus
-from paged_backend.scheduler import Scheduler
+from paged_backend.core.block_manager import AllocStatus
+from paged_backend.core.scheduler import Scheduler
 
 from .engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace
 from .report import format_table

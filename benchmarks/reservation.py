@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from paged_backend.block_manager import AllocStatus, BlockManager
-from paged_backend.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_backend.core.block_manager import AllocStatus, BlockManager
+from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 from .contiguous import make_arena
 

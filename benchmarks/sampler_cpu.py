@@ -20,9 +20,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from paged_backend.sampler import SampleRequest, Sampler
+from paged_backend.sampling.sampler import SampleRequest, Sampler
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.sequence import Sequence as Seq
+from paged_backend.core.sequence import Sequence as Seq
 
 SETTINGS: Dict[str, SamplingParams] = {
     "greedy": SamplingParams(temperature=0.0),
@@ -39,7 +39,7 @@ SETTINGS: Dict[str, SamplingParams] = {
 def model_logits(rows: int, seed: int) -> torch.Tensor:
     """Next-token logits of smollm2 at the ends of `rows` ShareGPT text prefixes (float32)."""
     from paged_backend.benchmarks.workloads import sharegpt_exchanges
-    from paged_backend.loader import load_model
+    from paged_backend.worker.loader import load_model
 
     model, tokenizer = load_model("smollm2", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

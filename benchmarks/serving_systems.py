@@ -40,7 +40,7 @@ class ServedSystem:
 def served_model_dir(model: str) -> Path:
     """A Hugging Face directory holding `model`'s weights and tokenizer, which every server loads: the smollm2
     conversion in the loader's cache, or a tiny preset saved there once (its random weights are seeded)."""
-    from paged_backend.loader import TINY_PRESETS, _smollm2_model_dir, cache_dir, load_model
+    from paged_backend.worker.loader import TINY_PRESETS, _smollm2_model_dir, cache_dir, load_model
 
     if model == "smollm2":
         return _smollm2_model_dir()

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional
 
 from paged_backend import LLMEngine, SamplingParams
-from paged_backend.structured_outputs import StructuredOutputsParams
+from paged_backend.structured.params import StructuredOutputsParams
 
 from .engine_runs import leaked_blocks, load_bench_model, release, set_threads
 from .repeat import format_spread, paired_ratio, run_interleaved, spread
@@ -91,8 +91,8 @@ def _params(system: str, output_tokens: int) -> SamplingParams:
 
 def _run(engine: LLMEngine, prompts: List[List[int]], system: str, output_tokens: int, tag: str) -> dict:
     """All requests at once, stepped to the end: wall time, tokens, steps, grammar time."""
-    import paged_backend.token_processor as token_processor_module
-    from paged_backend.structured_matcher import GrammarMasker
+    import paged_backend.engine.token_processor as token_processor_module
+    from paged_backend.structured.matcher import GrammarMasker
 
     timer = CallTimer()
     params = _params(system, output_tokens)

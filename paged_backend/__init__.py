@@ -1,22 +1,72 @@
-"""paged-backend: a PagedAttention LLM serving engine behind familiar fronts."""
+"""paged-backend: a PagedAttention LLM serving engine behind familiar fronts.
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .llm import LLM
-from .metrics import EngineStats
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+The names below are the public API: users and the fronts in `paged_backend.adapters` import them from here
+(and typed errors from `paged_backend.errors`). They load on first use, so that importing one part (a
+tensor-parallel worker process imports `paged_backend.worker...`) does not import the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Dict
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it
+_PUBLIC: Dict[str, str] = {
+    # the engine API (vLLM's names)
+    "LLM": "paged_backend.engine.llm",
+    "LLMEngine": "paged_backend.engine.llm_engine",
+    "AsyncLLMEngine": "paged_backend.engine.async_llm_engine",
+    "EngineConfig": "paged_backend.config",
+    "SamplingParams": "paged_backend.sampling_params",
+    "RequestOutputKind": "paged_backend.sampling_params",
+    "StructuredOutputsParams": "paged_backend.structured.params",
+    "GuidedDecodingParams": "paged_backend.structured.params",
+    "CompletionOutput": "paged_backend.engine.outputs",
+    "RequestOutput": "paged_backend.engine.outputs",
+    "EngineStats": "paged_backend.engine.metrics",
+    # what every front shares: the request-parameter table, typed readers, streaming text, metrics
+    "sampling_params_from_dict": "paged_backend.engine.request_params",
+    "SAMPLING_PARAMETERS": "paged_backend.engine.request_params",
+    "CONSTRAINT_FIELDS": "paged_backend.structured.params",
+    "to_bool": "paged_backend.engine.coerce",
+    "to_int": "paged_backend.engine.coerce",
+    "to_float": "paged_backend.engine.coerce",
+    "to_str": "paged_backend.engine.coerce",
+    "IncrementalText": "paged_backend.engine.streaming",
+    "METRICS": "paged_backend.engine.metrics_table",
+    "MetricSpec": "paged_backend.engine.metrics_table",
+    "COUNTER": "paged_backend.engine.metrics_table",
+    "GAUGE": "paged_backend.engine.metrics_table",
+    "HISTOGRAM": "paged_backend.engine.metrics_table",
+    "HISTOGRAM_BUCKETS": "paged_backend.engine.metrics",
+    "histogram": "paged_backend.engine.metrics_table",
+    "labelled_values": "paged_backend.engine.metrics_table",
+    "value": "paged_backend.engine.metrics_table",
+    # engine options and models, as the command line and the fronts' configs name them
+    "KV_CACHE_DTYPES": "paged_backend.config",
+    "parse_memory": "paged_backend.config",
+    "add_engine_args": "paged_backend.cli",
+    "engine_kwargs": "paged_backend.cli",
+    "format_stats": "paged_backend.cli",
+    "load_model": "paged_backend.worker.loader",
+    "PRESETS": "paged_backend.worker.loader",
+    "total_memory": "paged_backend.worker.sizing",
+    "maybe_run_worker_loop": "paged_backend.worker.tp_runner",
+}
 
-def __getattr__(name):
-    if name == "AsyncLLMEngine":
-        from .async_engine import AsyncLLMEngine
-
-        return AsyncLLMEngine
-    raise AttributeError(name)
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
 
-__all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine",
-           "RequestOutput", "SamplingParams", "__version__"]
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paged_backend' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

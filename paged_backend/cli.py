@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional
 
-from .config import KV_CACHE_DTYPES
+from paged_backend.config import KV_CACHE_DTYPES
 
 # Subcommands that live with their front (adapters, benchmarks): module with add_parser(sub) and run(args).
 EXTERNAL_COMMANDS: Dict[str, str] = {
@@ -75,7 +75,7 @@ def _add_info(sub) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    from .info import model_info
+    from paged_backend.worker.model_info import model_info
 
     print(model_info(args.model, parse_dtype(args.dtype), args.block_size, args.kv_cache_memory))
     return 0
@@ -97,7 +97,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from . import LLM, SamplingParams
+    from paged_backend import LLM, SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, beam_width=args.beam_width, seed=args.request_seed)
@@ -146,7 +146,7 @@ def build_parser(argv: List[str]) -> argparse.ArgumentParser:
 def _join_torchrun_workers() -> None:
     """Under a multi-rank torchrun launch, ranks other than 0 serve as tensor-parallel workers and exit there."""
     if os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE") or 1) > 1:
-        from .distributed import maybe_run_worker_loop
+        from paged_backend.worker.tp_runner import maybe_run_worker_loop
 
         maybe_run_worker_loop()
 

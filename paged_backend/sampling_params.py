@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
-from .errors import InvalidParameter
-from .logits_processors import check_logits_processors
-from .structured_outputs import StructuredOutputsParams, structured_outputs_from
+from paged_backend.errors import InvalidParameter
+from paged_backend.sampling.logits_processors import check_logits_processors
+from paged_backend.structured.params import StructuredOutputsParams, structured_outputs_from
 
 _EPS = 1e-6
 _INT64 = 2 ** 63

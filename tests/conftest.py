@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from paged_backend.loader import load_model  # noqa: E402
+from paged_backend.worker.loader import load_model  # noqa: E402
 
 TINY_MODELS = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")
 

@@ -30,7 +30,7 @@ from paged_backend.benchmarks.reservation import install_reservation, reservatio
 from paged_backend.benchmarks.workloads import (ALPACA_MEAN_OUTPUT, ALPACA_MEAN_PROMPT, alpaca_like_trace,
                                                 iter_json_array, keep_request, make_trace, sharegpt_trace)
 from paged_backend.cli import main as cli_main
-from paged_backend.metrics import EngineStats
+from paged_backend.engine.metrics import EngineStats
 
 
 @pytest.fixture(scope="module")
@@ -496,7 +496,7 @@ def test_slot_use_in_closed_form_equals_counting_block_by_block():
     from hypothesis import strategies as st
 
     from paged_backend.benchmarks.accounting import _slot_use
-    from paged_backend.block_manager import HOLE
+    from paged_backend.core.block_manager import HOLE
 
     assert HOLE == -1
 

@@ -8,11 +8,12 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_backend.block import BlockAllocator, NoFreeBlocksError, PrefixCache, hash_block
-from paged_backend.block_manager import AllocStatus, BlockManager
-from paged_backend.scheduler import common_prefix_len
+from paged_backend.core.block_allocator import BlockAllocator, NoFreeBlocksError
+from paged_backend.core.prefix_cache import PrefixCache, hash_block
+from paged_backend.core.block_manager import AllocStatus, BlockManager
+from paged_backend.core.scheduler import common_prefix_len
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.sequence import SequenceGroup, SequenceStatus
+from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 
 _ids = iter(range(10**9))
 

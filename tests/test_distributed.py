@@ -18,13 +18,13 @@ import torch
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLM, SamplingParams
-from paged_backend.cache_engine import CacheEngine, kv_geometry
-from paged_backend.distributed import WorkerFailedError
+from paged_backend.worker.cache_engine import CacheEngine, kv_geometry
+from paged_backend.worker.tp_runner import WorkerFailedError
 from paged_backend.errors import EngineDeadError
-from paged_backend.model_runner import ModelRunner
-from paged_backend.step_inputs import StepInputs
-from paged_backend.tp_sharding import build_plan, shard_model, weights_fingerprint
-from paged_backend.tp_worker import RankState, WorkerSetup, pack_step, unpack_step
+from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.step_inputs import StepInputs
+from paged_backend.worker.tp_sharding import build_plan, shard_model, weights_fingerprint
+from paged_backend.worker.tp_worker import RankState, WorkerSetup, pack_step, unpack_step
 
 F64 = torch.float64
 PREFIX = [1] + list(range(300, 311))  # three full blocks of 4 tokens shared by every prompt

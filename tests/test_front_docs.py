@@ -10,8 +10,8 @@ from paged_backend.adapters.http.openai_request import ChatRequest, CompletionRe
 from paged_backend.adapters.http.tgi_request import TGIParameters
 from paged_backend.adapters.triton.model_json import OPTION_NAMES
 from paged_backend.adapters.triton.repository import INPUTS, OUTPUTS
-from paged_backend.metrics_table import METRICS
-from paged_backend.request_params import SAMPLING_PARAMETERS
+from paged_backend.engine.metrics_table import METRICS
+from paged_backend.engine.request_params import SAMPLING_PARAMETERS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

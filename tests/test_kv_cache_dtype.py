@@ -9,10 +9,10 @@ import torch
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLMEngine, SamplingParams
-from paged_backend.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype
+from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype
 from paged_backend.config import CacheConfig
 from paged_backend.kernels import cpu
-from paged_backend.sizing import size_kv_cache
+from paged_backend.worker.sizing import size_kv_cache
 
 COMPACT = ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
 MAX_STEPS = 2000

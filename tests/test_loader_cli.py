@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import get_model
-from paged_backend.cache_engine import kv_geometry
-from paged_backend.loader import PRESETS, load_model
+from paged_backend.worker.cache_engine import kv_geometry
+from paged_backend.worker.loader import PRESETS, load_model
 
 
 def cli(*args, env=None):
@@ -56,13 +56,13 @@ def test_local_hf_directory(tmp_path):
 
 def test_cache_location_can_be_overridden(tmp_path):
     env = dict(os.environ, PAGED_BACKEND_CACHE=str(tmp_path))
-    code = "from paged_backend.loader import load_model; load_model('tiny-gpt2')"
+    code = "from paged_backend.worker.loader import load_model; load_model('tiny-gpt2')"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
     assert (tmp_path / "v1" / "smollm2-tokenizer" / "tokenizer.json").exists()
 
 
 def test_smollm2_loads_from_the_converted_cache(smollm2):
-    from paged_backend.loader import cache_dir
+    from paged_backend.worker.loader import cache_dir
 
     model, tok = smollm2
     assert (cache_dir() / "v1" / "smollm2" / "config.json").exists()

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from paged_backend.logits_processors import (ProcessorRow, apply_logits_processors, check_logits_processors,
+from paged_backend.sampling.logits_processors import (ProcessorRow, apply_logits_processors, check_logits_processors,
                                              takes_prompt)
 
 

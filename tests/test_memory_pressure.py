@@ -8,10 +8,10 @@ import torch
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLM, LLMEngine, SamplingParams
-from paged_backend.block_manager import BlockManager
+from paged_backend.core.block_manager import BlockManager
 from paged_backend.config import SchedulerConfig
 from paged_backend.sampling_params import SamplingParams as Params
-from paged_backend.sequence import SequenceGroup, SequenceStatus
+from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 
 MAX_STEPS = 2000
 

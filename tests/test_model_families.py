@@ -16,8 +16,8 @@ import torch
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLM, SamplingParams
-from paged_backend.loader import FAMILY_PRESETS
-from paged_backend.model_support import probe_attention
+from paged_backend.worker.loader import FAMILY_PRESETS
+from paged_backend.worker.model_support import probe_attention
 
 WINDOW = 8
 SHARED = "Paged attention splits the key value cache into blocks of a fixed size, and "

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from paged_backend import LLMEngine
-from paged_backend import model_support
-from paged_backend.attention import attention_options
-from paged_backend.info import model_info
+from paged_backend.worker import model_support
+from paged_backend.worker.attention import attention_options
+from paged_backend.worker.model_info import model_info
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -55,7 +55,7 @@ def _qwen2_window_differs_from_mask():
 
 def _gpt_oss_with_too_few_sinks():
     """As a tensor-parallel shard would be if its query heads were split but not its sinks."""
-    from paged_backend.loader import load_model
+    from paged_backend.worker.loader import load_model
 
     model, _ = load_model("tiny-gpt-oss")
     for layer in model.model.layers:
@@ -136,7 +136,7 @@ def test_default_valued_and_no_effect_keywords_are_accepted():
 
 
 def test_outside_a_step_the_sdpa_fallback_refuses_sinks():
-    from paged_backend.attention import paged_attention_forward
+    from paged_backend.worker.attention import paged_attention_forward
 
     q = torch.zeros(1, 4, 3, 16)
     k = torch.zeros(1, 4, 3, 16)

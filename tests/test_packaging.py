@@ -9,7 +9,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["paged_backend", "paged_backend.block", "paged_backend.kernels", "paged_backend.kernels.reference",
+MODULES = ["paged_backend", "paged_backend.core.scheduler", "paged_backend.engine.llm_engine",
+           "paged_backend.sampling.sampler", "paged_backend.structured.matcher", "paged_backend.worker.tp_worker", "paged_backend.kernels", "paged_backend.kernels.reference",
            "paged_backend.adapters.hf", "paged_backend.adapters.hf.generate", "paged_backend.adapters.http.app",
            "paged_backend.adapters.triton.repository", "paged_backend.adapters.triton.model_json",
            "paged_backend.benchmarks.cli", "paged_backend.cli"]
@@ -24,7 +25,7 @@ def test_wheel_contains_and_imports_every_package(tmp_path):
                  "paged_backend/kernels/cpu_sampler.cpp", "paged_backend/kernels/cpu_vector.h",
                  "paged_backend/adapters/http/tgi_routes.py",
                  "paged_backend/adapters/triton/model.py", "paged_backend/adapters/hf/runner.py",
-                 "paged_backend/request_params.py", "paged_backend/benchmarks/waste.py"):
+                 "paged_backend/engine/request_params.py", "paged_backend/worker/tp_worker.py", "paged_backend/benchmarks/waste.py"):
         assert path in names
     assert not any(n.startswith(("adapters/", "kernels/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.errors import CannotFit, InvalidParameter, InvalidRequest, PromptTooLong, UnsupportedParameter
-from paged_backend.request_params import SAMPLING_PARAMETERS, sampling_params_from_dict
+from paged_backend.engine.request_params import SAMPLING_PARAMETERS, sampling_params_from_dict
 from paged_backend.sampling_params import RequestOutputKind
 
 

@@ -10,9 +10,9 @@ import torch
 
 from kernel_inputs import BASE_SEED, case_seed
 from paged_backend.kernels import cpu_sampling, sampling
-from paged_backend.sampler import SampleRequest, Sampler
+from paged_backend.sampling.sampler import SampleRequest, Sampler
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.sequence import Sequence
+from paged_backend.core.sequence import Sequence
 
 IMPLEMENTATIONS = {"torch": sampling.sample_rows_torch}
 if cpu_sampling.available():

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLM, LLMEngine, SamplingParams
-from paged_backend.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
+from paged_backend.structured.params import GuidedDecodingParams, StructuredOutputsParams
 
 PERSON = {
     "type": "object",

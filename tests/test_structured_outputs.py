@@ -14,10 +14,10 @@ import jsonschema
 import pytest
 import torch
 
-from paged_backend.loader import AutoTokenizerFromDir, _smollm2_tokenizer_dir
-from paged_backend.structured_compiler import StructuredOutputsCompiler, compiler_for
-from paged_backend.structured_matcher import GrammarMasker, GrammarState
-from paged_backend.structured_outputs import (GuidedDecodingParams, StructuredOutputsParams,
+from paged_backend.worker.loader import AutoTokenizerFromDir, _smollm2_tokenizer_dir
+from paged_backend.structured.compiler import StructuredOutputsCompiler, compiler_for
+from paged_backend.structured.matcher import GrammarMasker, GrammarState
+from paged_backend.structured.params import (GuidedDecodingParams, StructuredOutputsParams,
                                               structured_outputs_from)
 
 EOS = 2

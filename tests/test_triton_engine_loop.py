@@ -12,7 +12,7 @@ from paged_backend import LLM, AsyncLLMEngine, SamplingParams
 from paged_backend.adapters.triton.engine_loop import CANCELLED, INVALID_ARG, UNAVAILABLE, EngineService
 from paged_backend.adapters.triton.request_inputs import GenerateRequest
 from paged_backend.errors import EngineDeadError
-from paged_backend.loader import load_model
+from paged_backend.worker.loader import load_model
 from paged_backend.sampling_params import RequestOutputKind
 
 NUM_BLOCKS = 48

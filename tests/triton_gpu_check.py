@@ -122,7 +122,7 @@ def main() -> int:
     from paged_backend import LLM, SamplingParams
     from paged_backend.adapters.triton.model import TritonPythonModel
 
-    from paged_backend.sizing import total_memory
+    from paged_backend.worker.sizing import total_memory
 
     config = {"name": "m", "instance_group": [{"kind": f"KIND_{kind}", "count": INSTANCES, "gpus": [0]}],
               "parameters": {}}

@@ -69,7 +69,7 @@ class PagedModelForCausalLM:
         `model.paged_engine.tokenizer`."""
         from pathlib import Path
 
-        from paged_backend.loader import PRESETS, load_model
+        from paged_backend import PRESETS, load_model
 
         name = str(path_or_preset)
         if name in PRESETS or torch.device(device).type == "cpu" or not Path(name).is_dir():

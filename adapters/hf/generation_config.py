@@ -198,7 +198,7 @@ def sampling_params(resolved: ResolvedConfig, input_len: int, eos_ids: Optional[
     transformers' names translated onto vLLM's, read by the engine's one mapping (`request_params`).
     `logits_processors` (logits_processing.py) carry transformers' own processor list, repetition penalty
     and minimum lengths included, so the engine's are turned off for such a row."""
-    from paged_backend.request_params import sampling_params_from_dict
+    from paged_backend import sampling_params_from_dict
 
     config = resolved.config
     max_tokens = config.max_length - input_len

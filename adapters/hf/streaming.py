@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from paged_backend.streaming import IncrementalText
+from paged_backend import IncrementalText
 
 from .outputs import UNMATCHED_ROWS_WARNING
 from .runner import Commit, SamplingRun

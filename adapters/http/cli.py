@@ -17,7 +17,7 @@ import socket
 import sys
 from typing import Optional
 
-from paged_backend.cli import add_engine_args, engine_kwargs, format_stats
+from paged_backend import add_engine_args, engine_kwargs, format_stats
 
 from .body import DEFAULT_PAYLOAD_LIMIT
 
@@ -103,8 +103,7 @@ def _ignore_signal_after_shutdown(signum, frame) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from paged_backend import AsyncLLMEngine
-    from paged_backend.distributed import maybe_run_worker_loop
+    from paged_backend import AsyncLLMEngine, maybe_run_worker_loop
 
     from .app import create_app
 

@@ -1,4 +1,4 @@
-"""`/metrics`: the engine's metrics table (`paged_backend.metrics_table`) in Prometheus' text format.
+"""`/metrics`: the engine's metrics table (`paged_backend.engine.metrics_table`) in Prometheus' text format.
 
 Values are read from `AsyncLLMEngine.get_stats()` at scrape time. vLLM-named metrics carry vLLM's
 `model_name` label (the served name), as vLLM's own server exports them. Each app has its own
@@ -12,8 +12,7 @@ from typing import Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from paged_backend import AsyncLLMEngine
-from paged_backend.metrics_table import COUNTER, GAUGE, METRICS, MetricSpec, histogram, labelled_values, value
+from paged_backend import AsyncLLMEngine, COUNTER, GAUGE, METRICS, MetricSpec, histogram, labelled_values, value
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

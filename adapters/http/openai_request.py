@@ -16,10 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from paged_backend import SamplingParams
+from paged_backend import RequestOutputKind, SamplingParams, sampling_params_from_dict
 from paged_backend.errors import InvalidRequest, PromptTooLong
-from paged_backend.request_params import sampling_params_from_dict
-from paged_backend.sampling_params import RequestOutputKind
 
 from .body import StrictBody
 from .context import ServerContext

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
-from paged_backend.structured_outputs import CONSTRAINT_FIELDS
+from paged_backend import CONSTRAINT_FIELDS
 
 from .errors import ValidationFailed
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from paged_backend.cli import add_engine_args
+from paged_backend import add_engine_args
 
 
 def add_parser(subparsers, name: str) -> None:

@@ -1,4 +1,4 @@
-"""The engine's metrics table (`paged_backend.metrics_table`) as Triton custom metrics, on Triton's /metrics.
+"""The engine's metrics table (`paged_backend.engine.metrics_table`) as Triton custom metrics, on Triton's /metrics.
 
 The same names as the HTTP server's `/metrics`, ours and vLLM's (`vllm:num_requests_running`,
 `vllm:time_to_first_token_seconds`, ...), labelled with `model` and `version` as Triton's vLLM backend
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from paged_backend.metrics import HISTOGRAM_BUCKETS, EngineStats
-from paged_backend.metrics_table import COUNTER, GAUGE, HISTOGRAM, METRICS, MetricSpec, histogram, labelled_values, value
+from paged_backend import (COUNTER, GAUGE, HISTOGRAM, HISTOGRAM_BUCKETS, METRICS, EngineStats, MetricSpec, histogram,
+                           labelled_values, value)
 
 
 class TritonEngineMetrics:

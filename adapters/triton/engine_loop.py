@@ -22,9 +22,8 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
-from paged_backend import AsyncLLMEngine, SamplingParams
+from paged_backend import AsyncLLMEngine, EngineStats, SamplingParams
 from paged_backend.errors import EngineClosedError, EngineDeadError, InvalidRequest
-from paged_backend.metrics import EngineStats
 
 from .request_inputs import VLLM_DEFAULT_MAX_TOKENS, GenerateRequest
 from .response_outputs import StreamState, build_outputs

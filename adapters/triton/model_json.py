@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
-from paged_backend.coerce import to_bool, to_float, to_int, to_str
-from paged_backend.config import KV_CACHE_DTYPES, EngineConfig, parse_memory
+from paged_backend import EngineConfig, KV_CACHE_DTYPES, parse_memory, to_bool, to_float, to_int, to_str
 
 MODEL_JSON = "model.json"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")

@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from paged_backend.sizing import total_memory
+from paged_backend import total_memory
 
 from .model_json import ModelOptions
 

@@ -4,7 +4,7 @@ Follows Triton's vLLM backend: `text_input` (STRING), optional `stream`, `sampli
 object of vLLM's sampling parameters, values possibly strings), `exclude_input_in_output` and the
 `return_*` switches. When no `sampling_parameters` tensor is sent, the request's own parameters (Triton's
 generate endpoint puts the JSON `parameters` object and unknown top-level keys there) are used instead.
-The sampling parameters go through the engine's one mapping (`paged_backend.request_params`). No Triton
+The sampling parameters go through the engine's one mapping (`paged_backend.engine.request_params`). No Triton
 import here, so the rules are testable without a server.
 """
 
@@ -14,11 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from paged_backend import SamplingParams
-from paged_backend.coerce import to_bool
+from paged_backend import RequestOutputKind, SamplingParams, sampling_params_from_dict, to_bool
 from paged_backend.errors import InvalidParameter, UnsupportedParameter
-from paged_backend.request_params import sampling_params_from_dict
-from paged_backend.sampling_params import RequestOutputKind
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
                 "return_num_output_tokens")

@@ -1,0 +1,347 @@
+"""Block tables: which physical KV blocks hold each sequence's tokens.
+
+Blocks are allocated only when a token needs a slot, shared by reference count between forked
+sequences and between requests with a cached common prefix, copied on the first write into a
+shared block, and moved whole between the device pool and the host swap pool. A block shared on
+the device is shared on the host too: it is swapped once per step, to one host block.
+
+For a model whose every layer attends through a sliding window of W tokens, blocks that lie wholly
+before a sequence's last W tokens are released as it advances: their table positions stay, as holes
+(`HOLE`), so a long generation holds O(W) blocks rather than O(length).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from paged_backend.core.block_allocator import BlockAllocator
+from paged_backend.core.prefix_cache import PrefixCache, hash_block
+from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+HOLE = -1  # a table position whose block was released (outside every layer's window); never read
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"        # admit now
+    LATER = "later"  # wait for blocks to free up
+    NEVER = "never"  # does not fit even in an empty cache: reject
+
+
+class BlockManager:
+    """Maps each sequence's logical blocks to physical blocks of the device or host pool."""
+
+    def __init__(self, block_size: int, num_blocks: int, num_swap_blocks: int = 0,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False,
+                 sliding_window: Optional[int] = None) -> None:
+        self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's keys lie within this many tokens (None: all)
+        self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.device = BlockAllocator(num_blocks, "device", self.prefix_cache)
+        self.host = BlockAllocator(num_swap_blocks, "host")
+        self.block_tables: Dict[int, List[int]] = {}       # seq_id -> device blocks
+        self.swapped_tables: Dict[int, List[int]] = {}     # seq_id -> host blocks
+        self._num_registered: Dict[int, int] = {}          # seq_id -> leading blocks in the prefix cache
+        self._num_released: Dict[int, int] = {}            # seq_id -> leading table positions that are holes
+        self.num_cached_prefill_tokens = 0                 # prompt tokens whose prefill the cache skipped
+        self.num_copy_on_write = 0
+
+    # ---- sizes -----------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_num_free_blocks(self) -> int:
+        return self.device.get_num_free_blocks()
+
+    def get_num_free_swap_blocks(self) -> int:
+        return self.host.get_num_free_blocks()
+
+    def _status(self, needed: int, needed_if_empty: int) -> AllocStatus:
+        """OK / LATER / NEVER for a request that needs `needed` free blocks now (`needed_if_empty` when
+        nothing else holds any), keeping the watermark free."""
+        if needed_if_empty > self.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.get_num_free_blocks() - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    # ---- admission ---------------------------------------------------------------------------
+    def admission_blocks(self, group: SequenceGroup) -> int:
+        """Blocks a waiting request holds once admitted (and its siblings forked, when it is being recomputed)."""
+        needed = sum(self.blocks_for(len(seq)) for seq in group.active_seqs())
+        shared = group.fork_pending_len
+        if shared is not None:
+            needed += sum(self.blocks_for(len(seq)) - shared // self.block_size for seq in group.pending_forks())
+        return needed
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        """Whether a waiting request can get blocks for all of its tokens."""
+        needed = self.admission_blocks(group)
+        return self._status(needed, needed)
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Block tables for the request's waiting sequences, reusing cached prefix blocks when enabled."""
+        for seq in group.active_seqs():
+            if seq.seq_id in self.block_tables:
+                raise ValueError(f"sequence {seq.seq_id} already has a block table")
+            table = self._reuse_cached_prefix(seq)
+            seq.num_computed_tokens = len(table) * self.block_size
+            self._num_registered[seq.seq_id] = len(table)
+            while len(table) < self.blocks_for(len(seq)):
+                table.append(self.device.allocate())
+            self.block_tables[seq.seq_id] = table
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> List[int]:
+        if self.prefix_cache is None:
+            return []
+        # At least one token is always computed, so that the step yields logits to sample from.
+        num_full = (len(seq) - 1) // self.block_size
+        hashes = self._block_hashes(seq, num_full)
+        table: List[int] = []
+        for block_hash in hashes:
+            block = self.prefix_cache.lookup(block_hash)
+            if block is None:
+                break
+            self.device.incr(block)
+            table.append(block)
+        # Blocks after the first miss cannot hit (their hash chains through it): count them as misses.
+        self.prefix_cache.num_queries += max(0, len(hashes) - len(table) - 1)
+        self.num_cached_prefill_tokens += len(table) * self.block_size
+        return table
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> List[bytes]:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    # ---- growth ------------------------------------------------------------------------------
+    def _written_blocks(self, seq: Sequence, table: List[int]) -> Iterable[int]:
+        """The blocks of `table` that the sequence's uncomputed tokens write into (never holes: those lie
+        before the window of the first uncomputed token)."""
+        first = seq.num_computed_tokens // self.block_size
+        return table[first:min(len(table), self.blocks_for(len(seq)))]
+
+    def _append_cost(self, seqs: Iterable[Sequence], tables: Dict[int, List[int]], holders) -> int:
+        """New blocks plus copy-on-write copies that writing every uncomputed token of `seqs` takes.
+
+        A block with `h` holders of which `w` write copies `min(w, h - 1)` times: each writer copies while
+        somebody else still holds the block, and the last holder keeps the original."""
+        writers: Dict[int, int] = {}
+        new_blocks = 0
+        for seq in seqs:
+            table = tables[seq.seq_id]
+            for block in self._written_blocks(seq, table):
+                writers[block] = writers.get(block, 0) + 1
+            new_blocks += max(0, self.blocks_for(len(seq)) - len(table))
+        return new_blocks + sum(max(0, min(w, holders(block) - 1)) for block, w in writers.items())
+
+    def num_blocks_to_append(self, seqs: Iterable[Sequence]) -> int:
+        """Free blocks that `append_slots` over these running sequences takes, exactly."""
+        seqs = list(seqs)
+        if len(seqs) == 1:  # the common case, without the bookkeeping of several writers
+            seq = seqs[0]
+            table, refs = self.block_tables[seq.seq_id], self.device.ref_counts
+            needed = self.blocks_for(len(seq))
+            copies = sum(1 for i in range(seq.num_computed_tokens // self.block_size, min(len(table), needed))
+                         if refs[table[i]] > 1)
+            return copies + max(0, needed - len(table))
+        return self._append_cost(seqs, self.block_tables, lambda block: self.device.ref_counts[block])
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Whether every running sequence of the request can get slots for its uncomputed tokens."""
+        return self.num_blocks_to_append(group.get_seqs(SequenceStatus.RUNNING)) <= self.get_num_free_blocks()
+
+    def append_slots(self, seq: Sequence) -> List[Tuple[int, int]]:
+        """Slots for every uncomputed token; returns the (source, destination) block copies that
+        copy-on-write needs before the step writes into a block that other sequences still share."""
+        table = self.block_tables[seq.seq_id]
+        copies: List[Tuple[int, int]] = []
+        first = seq.num_computed_tokens // self.block_size
+        for i in range(first, min(len(table), self.blocks_for(len(seq)))):
+            block = table[i]
+            if self.device.ref_counts[block] > 1:
+                new_block = self.device.allocate()
+                self.device.free(block)
+                table[i] = new_block
+                copies.append((block, new_block))
+        while len(table) < self.blocks_for(len(seq)):
+            table.append(self.device.allocate())
+        self.num_copy_on_write += len(copies)
+        return copies
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The flat cache slot of a token position."""
+        return self.block_tables[seq.seq_id][position // self.block_size] * self.block_size + position % self.block_size
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """After a step: put the sequence's newly completed full blocks into the prefix cache."""
+        if self.prefix_cache is None or seq.seq_id not in self.block_tables:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = self._num_registered.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        table = self.block_tables[seq.seq_id]
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
+            if table[i] != HOLE:
+                self.prefix_cache.insert(hashes[i], table[i])
+        self._num_registered[seq.seq_id] = num_full
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """After a step: release the blocks no layer can read any more, those wholly before the window of
+        the sequence's next token (a no-op unless every layer has a window)."""
+        if self.sliding_window is None or seq.seq_id not in self.block_tables:
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        limit = max(0, first_visible) // self.block_size
+        table = self.block_tables[seq.seq_id]
+        start = self._num_released.get(seq.seq_id, 0)
+        for i in range(start, min(limit, len(table))):
+            if table[i] != HOLE:
+                self.device.free(table[i])
+                table[i] = HOLE
+        self._num_released[seq.seq_id] = max(start, min(limit, len(table)))
+
+    # ---- sharing -----------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: Optional[int] = None) -> None:
+        """The child holds the parent's blocks (reference counts raised): all of them, or only those
+        covering the first `num_tokens` tokens."""
+        table = self.block_tables[parent.seq_id]
+        if num_tokens is not None:
+            table = table[:self.blocks_for(num_tokens)]
+        for block in table:
+            if block != HOLE:
+                self.device.incr(block)
+        self.block_tables[child.seq_id] = list(table)
+        registered = self._num_registered.get(parent.seq_id, 0)
+        released = self._num_released.get(parent.seq_id, 0)
+        if num_tokens is not None:
+            registered = min(registered, num_tokens // self.block_size)
+            released = min(released, len(table))
+        self._num_registered[child.seq_id] = registered
+        self._num_released[child.seq_id] = released
+
+    def free(self, seq: Sequence, will_recompute: bool = False) -> None:
+        """Release a sequence's blocks (device or host); a no-op for a sequence without blocks.
+
+        Tail first: cached blocks park in LRU order, so eviction takes a prefix chain from its end and
+        the chain's head, which every later block's hash goes through, stays reachable longest. The blocks
+        of a sequence preempted by recomputation (`will_recompute`) are evicted after all others: it will
+        find them in the cache when it is readmitted and recompute only what was lost."""
+        self._num_registered.pop(seq.seq_id, None)
+        self._num_released.pop(seq.seq_id, None)
+        table = self.block_tables.pop(seq.seq_id, None)
+        if table is not None:
+            for block in reversed(table):
+                if block != HOLE:
+                    self.device.free(block, keep_cached=will_recompute)
+        table = self.swapped_tables.pop(seq.seq_id, None)
+        if table is not None:
+            for block in reversed(table):
+                if block != HOLE:
+                    self.host.free(block)
+
+    def free_group(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self.free(seq)
+
+    # ---- swapping ----------------------------------------------------------------------------
+    # A step's swaps go into one mapping per direction (device -> host out, host -> device in). A block
+    # that two requests share is moved once: the second request finds it in the mapping and shares the
+    # copy. This is sound because every block a request holds when it is swapped was written in an earlier
+    # step: blocks freed by this step's swap-outs are only reallocated to requests that keep running.
+
+    def can_swap_out(self, group: SequenceGroup, mapping: Dict[int, int]) -> bool:
+        blocks = {b for s in group.get_seqs(SequenceStatus.RUNNING) for b in self.block_tables[s.seq_id]} - {HOLE}
+        return len(blocks - mapping.keys()) <= self.get_num_free_swap_blocks()
+
+    def swap_out(self, group: SequenceGroup, mapping: Dict[int, int]) -> None:
+        """Move the running sequences' blocks to the host pool, adding device -> host pairs to `mapping`."""
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        self._move(seqs, self.block_tables, self.swapped_tables, self.device, self.host, mapping)
+        for seq in seqs:
+            self._num_registered.pop(seq.seq_id, None)
+
+    def can_swap_in(self, group: SequenceGroup, mapping: Dict[int, int]) -> AllocStatus:
+        """Whether the swapped sequences can come back and get slots for their next tokens: one device
+        block per host block not already brought back this step, plus the exact growth after it."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        tables = {s.seq_id: self.swapped_tables[s.seq_id] for s in seqs}
+        in_group: Dict[int, int] = {}
+        for table in tables.values():
+            for block in table:
+                if block != HOLE:
+                    in_group[block] = in_group.get(block, 0) + 1
+        moved = sum(1 for block in in_group if block not in mapping)
+        growth = self._append_cost(seqs, tables, lambda b: in_group[b] + (
+            self.device.ref_counts[mapping[b]] if b in mapping else 0))
+        growth_if_empty = self._append_cost(seqs, tables, lambda b: in_group[b])
+        return self._status(moved + growth, len(in_group) + growth_if_empty)
+
+    def swap_in(self, group: SequenceGroup, mapping: Dict[int, int]) -> None:
+        """Bring swapped sequences back to the device pool, adding host -> device pairs to `mapping`."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        self._move(seqs, self.swapped_tables, self.block_tables, self.host, self.device, mapping)
+        for seq in seqs:
+            self._num_registered[seq.seq_id] = 0
+
+    @staticmethod
+    def _move(seqs: List[Sequence], src_tables: Dict[int, List[int]], dst_tables: Dict[int, List[int]],
+              src: BlockAllocator, dst: BlockAllocator, mapping: Dict[int, int]) -> None:
+        for seq in seqs:
+            new_table = []
+            for block in src_tables.pop(seq.seq_id):
+                if block == HOLE:
+                    new_table.append(HOLE)
+                    continue
+                if block in mapping:
+                    dst.incr(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                new_table.append(mapping[block])
+                src.free(block)
+            dst_tables[seq.seq_id] = new_table
+
+    # ---- statistics --------------------------------------------------------------------------
+    def token_slot_usage(self, seqs: Iterable[Sequence]) -> Tuple[int, int]:
+        """(slots holding a token, slots in the blocks these sequences hold), shared blocks once."""
+        filled: Dict[int, int] = {}
+        bs = self.block_size
+        for seq in seqs:
+            table = self.block_tables.get(seq.seq_id)
+            if not table:
+                continue
+            for i, block in enumerate(table):
+                if block == HOLE:
+                    continue
+                fill = min(bs, max(0, len(seq) - i * bs))
+                if fill > filled.get(block, 0):
+                    filled[block] = fill
+                else:
+                    filled.setdefault(block, fill)
+        return sum(filled.values()), len(filled) * bs
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Device blocks the sequence holds (its table without the holes)."""
+        return len(self.block_tables.get(seq.seq_id, ())) - self._num_released.get(seq.seq_id, 0)
+
+    def kv_usage(self, seqs: Iterable[Sequence]) -> Tuple[int, int]:
+        """`token_slot_usage` of every running sequence in O(sequences): the device blocks in use are exactly
+        the running tables' blocks, all full but each table's last one (shared last blocks counted once)."""
+        bs = self.block_size
+        last_fill: Dict[int, int] = {}
+        for seq in seqs:
+            table = self.block_tables.get(seq.seq_id)
+            if table:
+                fill = min(bs, max(0, len(seq) - (len(table) - 1) * bs))
+                last_fill[table[-1]] = max(fill, last_fill.get(table[-1], 0))
+        slots = (self.num_blocks - self.get_num_free_blocks()) * bs
+        return slots - sum(bs - fill for fill in last_fill.values()), slots

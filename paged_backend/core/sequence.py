@@ -1,0 +1,181 @@
+"""`Sequence` (one stream of tokens with its KV state) and `SequenceGroup` (one request's sequences)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+if TYPE_CHECKING:  # core imports no torch: the parameters module pulls in the logits processors' types
+    from paged_backend.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """Token ids of one sequence (prompt then output) and how many of them have K/V in the cache.
+
+    Every token whose K/V is not yet computed is fed to the model in a later step: a fresh prompt,
+    a prompt chunk, a recomputation after preemption and a decode step are the same thing here.
+    """
+
+    def __init__(self, prompt_token_ids: List[int], seq_id: Optional[int] = None) -> None:
+        self.seq_id = next(_seq_counter) if seq_id is None else seq_id
+        self.prompt_len = len(prompt_token_ids)
+        self.token_ids: List[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: List[Dict[int, float]] = []
+        self.output_scores: List[Any] = []
+        self.beam_indices: List[int] = []  # beam search: the live beam this sequence extended at each step
+        self.output_text = ""
+        self.detok_prefix_offset = 0
+        self.detok_read_offset = 0
+        self.detok_prefix_text = ""  # text of token_ids[detok_prefix_offset:detok_read_offset]
+        self.detok_started = False
+        self.stop_reason: Optional[object] = None
+        self.block_hashes: List[bytes] = []
+        self.generator: Any = None  # this sequence's own RNG when the request has a seed (set by the engine)
+        self.grammar: Any = None    # its structured-output matcher state (structured_matcher.GrammarState)
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token waits for its K/V (a prompt or a recomputation)."""
+        return self.num_uncomputed_tokens > 1
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def fork(self) -> "Sequence":
+        """A copy with a new id; the caller shares the parent's blocks through the block manager."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = next(_seq_counter)
+        child.token_ids = list(self.token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.output_scores = list(self.output_scores)
+        child.beam_indices = list(self.beam_indices)
+        child.block_hashes = list(self.block_hashes)
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork()
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, len={len(self.token_ids)}, computed={self.num_computed_tokens}, "
+                f"status={self.status.name})")
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, for latency statistics."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+class SequenceGroup:
+    """One request: its prompt, its parameters and the sequences (samples or beams) it runs."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
+                 sampling_params: SamplingParams, arrival_time: Optional[float] = None,
+                 eos_token_ids: Optional[List[int]] = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.seqs: List[Sequence] = [Sequence(self.prompt_token_ids)]
+        self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        self.branched = False       # the prompt's first sample has been forked into best_of / beam_width seqs
+        self.beam_state: Any = None  # finished hypotheses of a beam search (set by the engine)
+        # Recomputation of a request with several sequences: the first unfinished sequence (the leader)
+        # recomputes their common prefix of this many tokens alone, then the others fork from it.
+        self.fork_pending_len: Optional[int] = None
+        self.error: Optional[str] = None
+        self.num_preemptions = 0
+
+    def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [seq for seq in self.seqs if seq.status == status]
+
+    def unfinished_seqs(self) -> List[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished()]
+
+    def num_unfinished_seqs(self) -> int:
+        return sum(1 for seq in self.seqs if not seq.is_finished())
+
+    def max_num_running_seqs(self) -> int:
+        """Sequences this request will run at once: what the scheduler's sequence budget must allow."""
+        if not self.branched and not self.is_finished():
+            return self.sampling_params.num_branches
+        return self.num_unfinished_seqs()
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs)
+
+    def pending_forks(self) -> List[Sequence]:
+        """Sequences waiting for the leader to recompute their common prefix before they fork from it."""
+        if self.fork_pending_len is None:
+            return []
+        return self.unfinished_seqs()[1:]
+
+    def active_seqs(self) -> List[Sequence]:
+        """Unfinished sequences that hold blocks or are about to (all but the pending forks)."""
+        unfinished = self.unfinished_seqs()
+        return unfinished[:1] if self.fork_pending_len is not None else unfinished
+
+    def set_status(self, status: SequenceStatus) -> None:
+        """Move the active sequences; pending forks stay waiting until they fork."""
+        for seq in self.active_seqs():
+            seq.status = status
+
+    def find(self, seq_id: int) -> Sequence:
+        for seq in self.seqs:
+            if seq.seq_id == seq_id:
+                return seq
+        raise KeyError(seq_id)
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id!r}, seqs={len(self.seqs)})"

@@ -1,0 +1,1 @@
+"""The engine loop: `LLMEngine`, `AsyncLLMEngine`, `LLM`, request intake, token processing, outputs, metrics."""

@@ -1,0 +1,200 @@
+"""`AsyncLLMEngine`: the engine behind an asyncio server, one stream of outputs per request.
+
+Steps run in a worker thread, so the event loop stays responsive; requests added or aborted while a
+step runs are applied between steps. The loop task exists only while there is work. A request that
+fails ends its own stream with the error in its final output; an engine that cannot continue sets
+`errored` (servers report themselves unhealthy) and ends every stream with an `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+from typing import AsyncIterator, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from paged_backend.engine.llm_engine import LLMEngine, PromptType
+from paged_backend.errors import EngineClosedError, EngineDeadError
+from paged_backend.engine.metrics import EngineStats
+from paged_backend.engine.outputs import RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    """Streams cumulative `RequestOutput`s per request; aborting or cancelling frees its blocks."""
+
+    def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
+                 dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
+                 **engine_options) -> None:
+        self._init(LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device, **engine_options))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "AsyncLLMEngine":
+        self = cls.__new__(cls)
+        self._init(engine)
+        return self
+
+    def _init(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: Dict[str, asyncio.Queue] = {}
+        self._pending_adds: List[Tuple[str, PromptType, SamplingParams]] = []
+        self._pending_aborts: List[str] = []
+        self._task: Optional[asyncio.Task] = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-step")
+        self._ids = itertools.count()
+        self._stats = engine.get_stats()
+        self._closed = False
+        self.errored: Optional[BaseException] = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit in tokens (prompt and output together)."""
+        return self.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Text prompts longer than this are refused without tokenizing (`LLMEngine.max_prompt_chars`)."""
+        return self.engine.max_prompt_chars
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def get_stats(self) -> EngineStats:
+        """The statistics as of the last step (safe to call while a step runs)."""
+        return self._stats
+
+    def validate(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Token ids of a prompt, or an `InvalidRequest` for input the engine would refuse (see
+        `LLMEngine.validate_request`; safe to call from any thread)."""
+        return self.engine.validate_request(prompt, params)
+
+    def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
+        """How many new tokens a prompt can still get (`LLMEngine.max_new_tokens`)."""
+        return self.engine.max_new_tokens(prompt_len, num_branches)
+
+    def fit_max_tokens(self, prompt_len: int, params: SamplingParams, default: Optional[int] = None,
+                       param: str = "max_tokens") -> SamplingParams:
+        """`params` with max_tokens settled and checked (`LLMEngine.fit_max_tokens`)."""
+        return self.engine.fit_max_tokens(prompt_len, params, default, param)
+
+    async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step it takes part in; the last one is finished."""
+        if self._closed:
+            raise EngineClosedError("the engine is shut down")
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
+        params = SamplingParams() if params is None else params
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._pending_adds.append((request_id, prompt, params))
+        self._start()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the next step."""
+        if any(r == request_id for r, _, _ in self._pending_adds):
+            self._pending_adds = [p for p in self._pending_adds if p[0] != request_id]
+            self._stats = self.engine.get_stats() if self._task is None else self._stats
+            return
+        self._pending_aborts.append(request_id)
+        self._start()
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put_nowait(output)
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for request_id, prompt, params in adds:
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put_nowait(exc)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for output in self.engine.abort_request(aborts):
+            self._deliver(output)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.get_stats()
+                if not self._pending_adds and not self._pending_aborts:
+                    return
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # noqa: BLE001 - per-request failures come back as outputs; this is fatal
+                self._die(exc)
+                return
+            self._stats = self.engine.get_stats()
+            for output in outputs:
+                self._deliver(output)
+
+    def _die(self, exc: Exception) -> None:
+        """The engine cannot step any more: mark it errored and end every stream with the error."""
+        self.errored = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"the engine step raised {type(exc).__name__}: {exc}")
+        if not isinstance(exc, EngineDeadError):
+            logger.error("the engine step raised; the engine is marked as failed", exc_info=exc)
+        self.engine.abort_request(list(self.engine.groups))
+        self._pending_adds.clear()
+        self._pending_aborts.clear()
+        for stream in self._streams.values():
+            stream.put_nowait(self.errored)
+        self._stats = self.engine.get_stats()
+
+    async def wait_idle(self) -> None:
+        """Wait until the background loop has nothing left to do."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, free its blocks and stop the worker thread."""
+        self._closed = True
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+        await self.wait_idle()
+        self._executor.shutdown(wait=True)
+        self.engine.shutdown()

@@ -1,0 +1,364 @@
+"""`LLMEngine`: requests in, one scheduling step at a time, `RequestOutput`s out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
+
+import torch
+
+from paged_backend.sampling.beam_search import BeamSearchState
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
+from paged_backend.config import EngineConfig
+from paged_backend.engine.detokenizer import stop_string_in_candidate
+from paged_backend.errors import EngineDeadError, InvalidRequest
+from paged_backend.engine.input_builder import prepare_inputs
+from paged_backend.worker.loader import check_module_dtype
+from paged_backend.engine.metrics import Counters, EngineStats
+from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.model_support import check_model_supported, uniform_window
+from paged_backend.engine.output_builder import OutputBuilder
+from paged_backend.engine.outputs import RequestOutput
+from paged_backend.engine.request_intake import PromptType, RequestIntake
+from paged_backend.sampling.sampler import Sampler
+from paged_backend.sampling_params import RequestOutputKind, SamplingParams
+from paged_backend.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from paged_backend.core.sequence import SequenceGroup, SequenceStatus
+from paged_backend.worker.sizing import KVCacheSize, size_kv_cache
+from paged_backend.worker.step_inputs import Runner
+from paged_backend.engine.streaming import DeltaTracker
+from paged_backend.sampling.token_constraints import with_constraints
+from paged_backend.engine.token_processor import TokenProcessor, sample_generator
+
+logger = logging.getLogger(__name__)
+
+
+def _eos_ids(model, tokenizer) -> List[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _max_model_len(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+class LLMEngine:
+    """The serving core: a scheduler and block manager over a paged KV cache and an HF model."""
+
+    def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
+                 dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
+                 trust_remote_code: bool = False, **engine_options) -> None:
+        self.config = EngineConfig.from_kwargs(**engine_options)
+        tensor_parallel = self.config.parallel.tensor_parallel_size > 1
+        # Under tensor parallelism a named model is loaded on the CPU and only rank 0's shard moves to the device.
+        self._model_name = None if isinstance(model, torch.nn.Module) else str(model)
+        self._trust_remote_code = trust_remote_code
+        self.model, self.tokenizer = self._load(model, tokenizer, dtype, "cpu" if tensor_parallel else device,
+                                                trust_remote_code)
+        self.device = torch.device(device) if tensor_parallel else next(self.model.parameters()).device
+        check_model_supported(self.model)
+        self.dtype = next(self.model.parameters()).dtype
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0] \
+            if self.model.get_output_embeddings() is not None else self.model.config.vocab_size
+        self.max_model_len = self._resolve_max_model_len()
+        self.geometry: KVGeometry = kv_geometry(self.model.config)
+        cache = self.config.cache
+        tp = self.config.parallel.tensor_parallel_size
+        self.kv_size: KVCacheSize = size_kv_cache(cache, self.geometry, self.dtype, self.device, tp,
+                                                  model_bytes=_module_bytes(self.model) // tp)
+        self.sliding_window = uniform_window(self.model)  # every layer windowed: blocks behind it are released
+        self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
+                                          cache.watermark, cache.enable_prefix_caching, self.sliding_window)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.runner = self._make_runner()
+        self.sampler = Sampler(self.config.seed)
+        self.groups: Dict[str, SequenceGroup] = {}
+        self.counters = Counters()
+        self.outputs = OutputBuilder(self.tokenizer, self._stop_ids)
+        self.errored: Optional[EngineDeadError] = None  # set when the engine cannot run another step
+        self._deltas: Dict[str, DeltaTracker] = {}       # requests that want delta / final-only outputs
+        self.intake = RequestIntake(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
+                                    self.config, self.block_manager, self.sliding_window)
+        self.tokens = TokenProcessor(self.scheduler, self.block_manager, self.sampler, self.tokenizer,
+                                     self.counters, self.eos_token_ids, self.max_model_len, self._stop_ids)
+
+    # ---- construction ------------------------------------------------------------------------
+    @staticmethod
+    def _load(model, tokenizer, dtype, device, trust_remote_code):
+        if isinstance(model, torch.nn.Module):
+            check_module_dtype(model, dtype)
+            return model.eval(), tokenizer
+        from paged_backend.worker.loader import load_model
+
+        loaded, loaded_tokenizer = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
+
+    def _resolve_max_model_len(self) -> int:
+        limit = _max_model_len(self.model)
+        wanted = self.config.scheduler.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's context of {limit} tokens")
+        return wanted or limit
+
+    def _make_runner(self) -> Runner:
+        tp = self.config.parallel.tensor_parallel_size
+        if tp > 1:
+            from paged_backend.worker.tp_runner import TensorParallelRunner
+
+            runner = TensorParallelRunner(self.model, self.geometry, self.kv_size, self.config, self.dtype,
+                                          device=self.device, model_name=self._model_name,
+                                          trust_remote_code=self._trust_remote_code)
+            return runner
+        cache = CacheEngine(self.geometry, self.config.cache.block_size, self.kv_size.num_blocks,
+                            self.kv_size.num_swap_blocks,
+                            kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype), self.device)
+        return ModelRunner(self.model, cache)
+
+    # ---- requests ----------------------------------------------------------------------------
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters above which a text prompt cannot fit the context (refused without tokenizing it)."""
+        return self.intake.max_prompt_chars
+
+    def encode(self, prompt: PromptType, truncate: Optional[int] = None) -> List[int]:
+        """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens)."""
+        return self.intake.encode(prompt, truncate)
+
+    def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Token ids of a prompt, or an `InvalidRequest` saying why the engine would refuse the request.
+        Reads only configuration, so it is safe to call while a step runs in another thread."""
+        return self.intake.validate_request(prompt, params)
+
+    def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
+        """How many new tokens each of `num_branches` sequences can still get after a prompt (context and KV
+        cache, the request running alone)."""
+        return self.intake.max_new_tokens(prompt_len, num_branches)
+
+    def fit_max_tokens(self, prompt_len: int, params: SamplingParams, default: Optional[int] = None,
+                       param: str = "max_tokens") -> SamplingParams:
+        """`params` with `max_tokens` settled for a prompt: its own value, else `default`, else all that fits;
+        `PromptTooLong` / `CannotFit` when it cannot be had."""
+        return self.intake.fit_max_tokens(prompt_len, params, default, param)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue a request; raises ValueError for bad input or a prompt that can never fit."""
+        params = SamplingParams() if params is None else params
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
+        if request_id in self.groups:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        ids = self.validate_request(prompt, params)
+        params = with_constraints(params, self.tokenizer, self.vocab_size) or params
+        group = SequenceGroup(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+                              arrival_time, self.eos_token_ids)
+        if params.seed is not None:
+            group.seqs[0].generator = sample_generator(params.seed, 0)
+        group.seqs[0].grammar = self.intake.grammar(params)
+        if params.use_beam_search:
+            group.beam_state = BeamSearchState(
+                params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
+                params.early_stopping, self._stop_ids(params), record_scores=params.output_scores,
+                stop_check=self._beam_stop_check(params))
+        self.groups[request_id] = group
+        if params.output_kind != RequestOutputKind.CUMULATIVE:
+            self._deltas[request_id] = DeltaTracker(params)
+        self.scheduler.add(group)
+
+    def _max_length(self, group: SequenceGroup) -> int:
+        max_tokens = group.sampling_params.max_tokens
+        limit = self.max_model_len
+        return limit if max_tokens is None else min(limit, len(group.prompt_token_ids) + max_tokens)
+
+    def _stop_ids(self, params: SamplingParams) -> List[int]:
+        return ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
+
+    def _beam_stop_check(self, params: SamplingParams) -> Optional[Callable[[List[int], int], Optional[str]]]:
+        """For beam search with stop strings: the stop string a candidate token completes, if any."""
+        if not params.stop_strings:
+            return None
+        return lambda output_ids, token: stop_string_in_candidate(
+            self.tokenizer, output_ids, token, params.stop_strings, params.skip_special_tokens)
+
+    def abort_request(self, request_id: Union[str, Seq[str]]) -> List[RequestOutput]:
+        """Stop requests and free their blocks; returns their final outputs (finish_reason "abort")."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs = []
+        for rid in ids:
+            group = self.scheduler.abort(rid)
+            if group is not None:
+                outputs.append(self._finalize(group))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> List[RequestOutput]:
+        """Schedule, run the model once, sample, and report every request that moved.
+
+        A failure belongs to the request that caused it: an error while sampling or stopping one request
+        fails that request only; a failed forward fails the step's requests and the others go on. Only a
+        runner that cannot continue (`EngineDeadError`) fails everything, and the error is raised."""
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine cannot run: {self.errored}")
+        sched = self.scheduler.schedule()
+        outputs = [self._finalize(g) for g in sched.failed]
+        for group in sched.failed:
+            logger.error("request %r failed: %s", group.request_id, group.error)
+        if sched.scheduled or sched.blocks_to_swap_in or sched.blocks_to_swap_out or sched.blocks_to_copy:
+            used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
+            self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
+            try:
+                logits = self.runner.execute(self._step_inputs(sched))
+            except EngineDeadError as exc:
+                self._die(exc)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the others go on
+                return outputs + self._fail_step(sched, exc)
+            self.tokens.process(sched, logits)
+            self.counters.num_steps += 1
+        self.scheduler.free_finished()
+        return outputs + self._outputs_of(sched.scheduled)
+
+    def _step_inputs(self, sched: SchedulerOutput):
+        inputs = prepare_inputs(sched.scheduled, self.block_manager.block_tables, self.config.cache.block_size)
+        inputs.swap_out, inputs.swap_in, inputs.copies = (sched.blocks_to_swap_out, sched.blocks_to_swap_in,
+                                                          sched.blocks_to_copy)
+        return inputs
+
+    def _outputs_of(self, scheduled: List[ScheduledSeq]) -> List[RequestOutput]:
+        """One output per request of the step: final (and forgotten) when it has finished or failed."""
+        outputs, seen = [], set()
+        for item in scheduled:
+            group = item.group
+            if group.request_id in seen or group.request_id not in self.groups:
+                continue
+            seen.add(group.request_id)
+            if group.is_finished():
+                output = self._finalize(group)
+            elif group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to report before the end: not even built
+            else:
+                output = self._report(self.outputs.build(group))
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _report(self, output: RequestOutput) -> Optional[RequestOutput]:
+        """The output as the request asked for it (`output_kind`): cumulative, a delta, or only the final one;
+        None when there is nothing to report."""
+        tracker = self._deltas.get(output.request_id)
+        if tracker is None:
+            return output
+        if output.finished:
+            del self._deltas[output.request_id]
+        elif tracker.params.output_kind == RequestOutputKind.FINAL_ONLY:
+            return None
+        return tracker.update(output) if tracker.params.output_kind == RequestOutputKind.DELTA else output
+
+    # ---- failures ----------------------------------------------------------------------------
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> List[RequestOutput]:
+        """The forward failed: its requests (every running one, and those swapped out by this step, whose
+        blocks may be half moved) fail; waiting and earlier swapped requests are untouched."""
+        error = f"the model step failed: {type(exc).__name__}: {exc}"
+        logger.error("step failed; failing the %d requests it ran", len(self.scheduler.running), exc_info=exc)
+        victims = list(self.scheduler.running) + [g for g in sched.preempted if g in self.scheduler.swapped]
+        for group in victims:
+            self.tokens.fail_group(group, error)
+        return [self._finalize(group) for group in victims]
+
+    def _die(self, exc: EngineDeadError) -> None:
+        """The runner cannot continue: every request fails and the engine takes no more."""
+        self.errored = exc
+        logger.error("the engine cannot continue: %s", exc)
+        for group in list(self.groups.values()):
+            self.scheduler.fail(group, f"the engine failed: {exc}")
+            self._finalize(group)
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def _finalize(self, group: SequenceGroup) -> RequestOutput:
+        """The last output of a finished, aborted or failed request (as its output_kind asks); forgets it."""
+        group.metrics.finished_time = time.monotonic()
+        self.groups.pop(group.request_id, None)
+        self.tokens.forget(group.request_id)
+        output = self.outputs.build(group, final=True)
+        aborted = any(seq.status == SequenceStatus.FINISHED_ABORTED for seq in group.seqs)
+        if group.error is not None:
+            self.counters.num_requests_failed += 1
+            self.counters.finish_reasons["error"] += 1
+        else:
+            self.counters.num_requests_finished += 1
+            self.counters.num_requests_aborted += aborted
+            reason = "abort" if aborted else (output.outputs[0].finish_reason if output.outputs else "abort")
+            self.counters.finish_reasons[reason if reason in self.counters.finish_reasons else "stop"] += 1
+            self._observe_request(group, output)
+        return self._report(output)
+
+    def _observe_request(self, group: SequenceGroup, output: RequestOutput) -> None:
+        """Per-request histograms of a request that ended without an error."""
+        m, observe = group.metrics, self.counters.observe
+        if m.first_token_time is not None:
+            observe("time_to_first_token_seconds", max(m.first_token_time - m.arrival_time, 0.0))
+        if m.first_scheduled_time is not None:
+            observe("request_queue_time_seconds", max(m.first_scheduled_time - m.arrival_time, 0.0))
+        observe("e2e_request_latency_seconds", max(m.finished_time - m.arrival_time, 0.0))
+        observe("request_prompt_tokens", len(group.prompt_token_ids))
+        observe("request_generation_tokens", sum(len(c.token_ids) for c in output.outputs))
+        observe("request_params_n", group.sampling_params.n)
+        observe("request_params_best_of", group.sampling_params.num_branches)
+
+    # ---- statistics --------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        bm, sch = self.block_manager, self.scheduler
+        running_seqs = [s for g in sch.running for s in g.unfinished_seqs()]
+        filled, slots = bm.kv_usage(running_seqs)
+        max_blocks_per_seq = max((bm.num_held_blocks(s) for s in running_seqs), default=0)
+        cache = bm.prefix_cache
+        return EngineStats(
+            num_blocks=bm.num_blocks, num_free_blocks=bm.get_num_free_blocks(), num_swap_blocks=bm.num_swap_blocks,
+            num_free_swap_blocks=bm.get_num_free_swap_blocks(), block_size=bm.block_size,
+            num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(sch.swapped),
+            num_preemptions=sch.num_preemptions, num_swap_preemptions=sch.num_swap_preemptions,
+            num_recompute_preemptions=sch.num_recompute_preemptions,
+            kv_usage=1.0 - bm.get_num_free_blocks() / bm.num_blocks,
+            kv_token_utilization=filled / slots if slots else 1.0,
+            prefix_cache_hit_rate=cache.hit_rate if cache else 0.0,
+            prefix_cache_queries=cache.num_queries if cache else 0,
+            prefix_cache_hits=cache.num_hits if cache else 0,
+            num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
+            peak_used_blocks=self.counters.peak_used_blocks, max_blocks_per_seq=max_blocks_per_seq,
+            num_prompt_tokens=self.counters.num_prompt_tokens,
+            num_recomputed_tokens=self.counters.num_recomputed_tokens,
+            num_generated_tokens=self.counters.num_generated_tokens, num_steps=self.counters.num_steps,
+            num_requests_finished=self.counters.num_requests_finished,
+            num_requests_failed=self.counters.num_requests_failed,
+            num_requests_aborted=self.counters.num_requests_aborted,
+            swap_usage=1.0 - bm.get_num_free_swap_blocks() / bm.num_swap_blocks if bm.num_swap_blocks else 0.0,
+            finish_reasons=dict(self.counters.finish_reasons),
+            histograms=self.counters.histogram_snapshots())
+
+    def shutdown(self) -> None:
+        """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""
+        self.runner.shutdown()

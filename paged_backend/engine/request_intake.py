@@ -1,0 +1,161 @@
+"""Request intake: prompts encoded and checked, parameters checked against the model and the cache, and
+how many new tokens a prompt can still get. Reads only configuration, so fronts may call it while a step runs."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.config import EngineConfig
+from paged_backend.errors import CannotFit, InvalidParameter, InvalidRequest, PromptTooLong
+from paged_backend.sampling_params import SamplingParams
+from paged_backend.structured.compiler import compiler_for
+from paged_backend.structured.matcher import GrammarState
+from paged_backend.sampling.token_constraints import constraint_processors
+
+PromptType = Union[str, List[int]]
+
+
+class RequestIntake:
+    """What the engine checks before it queues a request."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: List[int],
+                 config: EngineConfig, block_manager: BlockManager, sliding_window: Optional[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.config = config
+        self.block_manager = block_manager
+        self.sliding_window = sliding_window
+        self._max_prompt_chars: Optional[int] = None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters above which a text prompt cannot fit the context, whatever its tokens: no token spells
+        more characters than the longest one in the vocabulary (four times that bound for tokenizers that
+        normalize text, which may shorten it). Longer prompts are refused without tokenizing them."""
+        if self._max_prompt_chars is None:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            normalizes = backend is None or getattr(backend, "normalizer", None) is not None
+            self._max_prompt_chars = self.max_model_len * max(longest, 1) * (4 if normalizes else 1)
+        return self._max_prompt_chars
+
+    def encode(self, prompt: PromptType, truncate: Optional[int] = None) -> List[int]:
+        """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this engine has no tokenizer: pass prompts as token ids", param="prompt")
+            if prompt == "":
+                raise InvalidRequest("prompt is empty", param="prompt")
+            if truncate is None and len(prompt) > self.max_prompt_chars:
+                raise PromptTooLong(f"prompt has {len(prompt)} characters, more than any prompt that fits the "
+                                    f"model's context of {self.max_model_len} tokens can have "
+                                    f"({self.max_prompt_chars})", param="prompt")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                 param="prompt")
+        if not ids:
+            raise InvalidRequest("prompt is empty (no tokens)", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                                 param="prompt")
+        return ids[-truncate:] if truncate is not None else ids
+
+    def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Token ids of a prompt (truncated as `params.truncate_prompt_tokens` says), or an `InvalidRequest`
+        saying why the engine would refuse the request (`PromptTooLong`, `CannotFit`, `InvalidParameter`).
+        Reads only configuration, so it is safe to call while a step runs in another thread."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}", param="params")
+        ids = self.encode(prompt, params.truncate_prompt_tokens)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
+                                f"and at least one must remain for output", param="prompt")
+        self._check_params(params)
+        if params.num_branches > self.config.scheduler.max_num_seqs:
+            raise CannotFit(f"the request runs {params.num_branches} sequences at once (best_of / beam_width) "
+                            f"but max_num_seqs is {self.config.scheduler.max_num_seqs}",
+                            param="beam_width" if params.use_beam_search else "best_of")
+        bm = self.block_manager
+        needed = bm.blocks_for(len(ids) + 1)
+        if needed > bm.num_blocks - bm.watermark_blocks:
+            raise CannotFit(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
+                            f"{bm.num_blocks} blocks of {bm.block_size} tokens", param="prompt")
+        self.grammar(params)  # an invalid schema, regex or grammar is this request's InvalidParameter
+        return ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the vocabulary, the tokenizer and engine limits."""
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidParameter("stop strings need a tokenizer to match the text; this engine has none "
+                                   "(use stop_token_ids)", param="stop")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidParameter(f"stop_token_ids has token ids outside the vocabulary [0, {self.vocab_size}): "
+                                   f"{bad[:5]}", param="stop_token_ids")
+        limit = self.config.max_logprobs
+        if params.logprobs is not None and params.logprobs > limit:
+            raise InvalidParameter(f"logprobs={params.logprobs} is more than this engine returns (max_logprobs="
+                                   f"{limit})", param="logprobs")
+        constraint_processors(params, self.tokenizer, self.vocab_size)  # raises for ids outside the vocabulary
+
+    def grammar(self, params: SamplingParams) -> Optional[GrammarState]:
+        """A fresh matcher state for the request's structured-output constraint (compiled once, cached)."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidParameter("structured outputs need a tokenizer; this engine has none",
+                                   param="structured_outputs")
+        compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            return GrammarState(compiler.compile(params.structured_outputs))
+        except InvalidParameter:
+            raise
+        except ValueError as exc:
+            raise InvalidParameter(str(exc), param="structured_outputs") from None
+
+    # ---- how many tokens a request may generate ------------------------------------------------
+    def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
+        """How many new tokens each of `num_branches` sequences can still get after a prompt of `prompt_len`
+        tokens: the room left in the context, and in the KV cache when the request runs alone (its full prompt
+        blocks are shared; each sequence needs its own blocks after them; a model windowed on every layer
+        releases the blocks behind its window). 0 or less: none."""
+        bm = self.block_manager
+        context_room = self.max_model_len - prompt_len
+        if self.sliding_window is not None:  # a windowed sequence holds ceil(W / block) + 1 blocks at most
+            held = -(-self.sliding_window // bm.block_size) + 1
+            if held * max(num_branches, 1) <= bm.num_blocks:
+                return context_room
+        shared = prompt_len // bm.block_size
+        per_branch = (bm.num_blocks - shared) // max(num_branches, 1)
+        kv_room = (shared + per_branch) * bm.block_size - prompt_len
+        return min(context_room, kv_room)
+
+    def fit_max_tokens(self, prompt_len: int, params: SamplingParams, default: Optional[int] = None,
+                       param: str = "max_tokens") -> SamplingParams:
+        """`params` with `max_tokens` settled for a prompt of `prompt_len` tokens: its own value, else
+        `default`, else all that fits; refused with `PromptTooLong` when it exceeds the context and with
+        `CannotFit` when the request could not hold it in the KV cache even running alone. `param` is the
+        name the caller's API gives max_tokens (for the error)."""
+        wanted = params.max_tokens if params.max_tokens is not None else default
+        room = self.max_new_tokens(prompt_len, params.num_branches)
+        if wanted is None:
+            if room < 1:
+                raise PromptTooLong(f"no room is left for new tokens after {prompt_len} prompt tokens "
+                                    f"(context length {self.max_model_len})", param="prompt")
+            wanted = room
+        if prompt_len + wanted > self.max_model_len:
+            raise PromptTooLong(f"the prompt has {prompt_len} tokens and `{param}` is {wanted}: together they must "
+                                f"be <= {self.max_model_len}, the model's context length", param=param)
+        if wanted > room:
+            bm = self.block_manager
+            raise CannotFit(f"the prompt ({prompt_len} tokens) and `{param}`={wanted} for {params.num_branches} "
+                            f"sequence(s) do not fit in the KV cache ({bm.num_blocks} blocks of {bm.block_size} "
+                            f"tokens); at most {max(room, 0)} new tokens fit", param=param)
+        return params if params.max_tokens == wanted else params.replace(max_tokens=wanted)

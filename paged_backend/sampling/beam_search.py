@@ -1,0 +1,203 @@
+"""Beam search with the exact semantics of Hugging Face transformers (5.x), one request at a time.
+
+Each step takes the log-probabilities of the live beams (in the order of the previous step's
+ranking), keeps the top `(1 + num_eos) * k` continuations, finalizes those that end (EOS or length)
+if they rank in the top `k`, continues the best `k` that did not end, and applies the
+`early_stopping` rules. Scores are float32 tensors combined in the same order as transformers does,
+so hypotheses and scores match it exactly. The engine maps the decisions onto forked sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from paged_backend.core.sequence import Sequence
+
+_BIG = -1.0e9
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its generated tokens, summed log-prob and length-normalized score."""
+
+    token_ids: List[int]
+    sum_logprob: float
+    score: float
+    beam_indices: List[int] = field(default_factory=list)  # live beam extended at each step
+    stop_reason: Optional[str] = None  # the stop string its last token completed, if that ended it
+
+
+@dataclass
+class BeamDecision:
+    """The continuation chosen for one new live beam."""
+
+    parent: int       # index of the parent among the live beams
+    token_id: int
+    logprob: float    # log-prob of this token under the parent
+    score: float      # running summed log-prob
+
+
+@dataclass
+class BeamSearchState:
+    """Live beam scores and the k slots of finished hypotheses of one request."""
+
+    beam_width: int
+    prompt_len: int
+    max_length: int
+    length_penalty: float
+    early_stopping: Union[bool, str]
+    eos_ids: List[int]
+    running_scores: torch.Tensor = field(init=False)
+    finished_scores: torch.Tensor = field(init=False)
+    finished_flags: torch.Tensor = field(init=False)
+    finished: List[Optional[Hypothesis]] = field(init=False)
+    heuristic_unsatisfied: bool = True
+    done: bool = False
+    cur_len: int = field(init=False)
+    pending: Dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> log-probs awaiting siblings
+    record_scores: bool = False  # keep each step's log-probs and raw logits of the live beams (output_scores)
+    pending_logits: Dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> raw logits awaiting siblings
+    step_scores: List[torch.Tensor] = field(default_factory=list)
+    step_logits: List[torch.Tensor] = field(default_factory=list)
+    # (generated tokens of a beam, candidate token) -> the stop string the candidate completes, or None.
+    # A candidate that completes one ends like EOS does (transformers' `stop_strings` in beam search).
+    stop_check: Optional[Callable[[List[int], int], Optional[str]]] = None
+
+    def __post_init__(self) -> None:
+        self.running_scores = torch.zeros(1, dtype=torch.float32)
+        self.finished_scores = torch.full((self.beam_width,), _BIG, dtype=torch.float32)
+        self.finished_flags = torch.zeros(self.beam_width, dtype=torch.bool)
+        self.finished = [None] * self.beam_width
+        self.cur_len = self.prompt_len
+        self._eos_set: Set[int] = set(self.eos_ids)
+
+    def _follow(self, device: torch.device) -> None:
+        """Keep the running and finished scores on the device of the log-probs (a GPU model's beams are scored
+        there, as transformers does, so ties break the same way)."""
+        if self.running_scores.device != device:
+            self.running_scores = self.running_scores.to(device)
+            self.finished_scores = self.finished_scores.to(device)
+            self.finished_flags = self.finished_flags.to(device)
+
+    @property
+    def num_candidates(self) -> int:
+        return max(2, 1 + len(self.eos_ids)) * self.beam_width
+
+    def step(self, log_probs: torch.Tensor, beam_tokens: List[List[int]],
+             beam_paths: Optional[List[List[int]]] = None) -> List[BeamDecision]:
+        """Advance by one token. `log_probs` `[live beams, vocab]` (processed, float32), each live
+        beam's generated tokens so far and (optionally) the live beam it extended at each earlier step;
+        returns the new live beams, best first."""
+        k = self.beam_width
+        vocab = log_probs.shape[1]
+        self._follow(log_probs.device)
+        accumulated = (log_probs + self.running_scores[:, None]).reshape(-1)
+        top_scores, top_index = torch.topk(accumulated, k=self.num_candidates)
+        parents = (top_index // vocab).tolist()
+        tokens = (top_index % vocab).tolist()
+        at_max_length = self.cur_len + 1 >= self.max_length
+        stops = self._stop_strings(parents, tokens, beam_tokens)
+        hits = torch.tensor([at_max_length or t in self._eos_set or stop is not None
+                             for t, stop in zip(tokens, stops)], dtype=torch.bool, device=log_probs.device)
+
+        running = top_scores + hits.to(torch.float32) * _BIG
+        keep = torch.topk(running, k=k)[1].tolist()
+        decisions = [BeamDecision(parents[c], tokens[c], float(log_probs[parents[c], tokens[c]]), float(running[c]))
+                     for c in keep]
+        paths = beam_paths if beam_paths is not None else [[] for _ in beam_tokens]
+        self._update_finished(top_scores, hits, parents, tokens, beam_tokens, paths, stops)
+        self.running_scores = running[keep]
+        self.cur_len += 1
+        self._update_done(hits)
+        return decisions
+
+    def _stop_strings(self, parents: List[int], tokens: List[int], beam_tokens: List[List[int]]
+                      ) -> List[Optional[str]]:
+        if self.stop_check is None:
+            return [None] * len(tokens)
+        return [self.stop_check(beam_tokens[p], t) for p, t in zip(parents, tokens)]
+
+    def _update_finished(self, top_scores: torch.Tensor, hits: torch.Tensor, parents: List[int],
+                         tokens: List[int], beam_tokens: List[List[int]], paths: List[List[int]],
+                         stops: List[Optional[str]]) -> None:
+        k = self.beam_width
+        top_mask = torch.arange(len(tokens), device=hits.device) < k
+        just_finished = hits & top_mask
+        scores = top_scores / ((self.cur_len + 1 - self.prompt_len) ** self.length_penalty)
+        full = bool(self.finished_flags.all()) and self.early_stopping is True
+        scores += float(full) * _BIG
+        scores += float(not self.heuristic_unsatisfied) * _BIG
+        scores += (~just_finished) * _BIG
+        merged_scores = torch.cat((self.finished_scores, scores))
+        merged_flags = torch.cat((self.finished_flags, just_finished))
+        chosen = torch.topk(merged_scores, k=k)[1].tolist()
+        slots: List[Optional[Hypothesis]] = []
+        for c in chosen:
+            if c < k:
+                slots.append(self.finished[c])
+            elif bool(just_finished[c - k]):
+                j = c - k
+                slots.append(Hypothesis(beam_tokens[parents[j]] + [tokens[j]], float(top_scores[j]),
+                                        float(merged_scores[c]), paths[parents[j]] + [parents[j]], stops[j]))
+            else:
+                slots.append(None)
+        self.finished = slots
+        self.finished_scores = merged_scores[chosen]
+        self.finished_flags = merged_flags[chosen]
+
+    def _update_done(self, hits: torch.Tensor) -> None:
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_len = self.max_length - self.prompt_len
+        else:
+            best_len = self.cur_len - self.prompt_len
+        best_possible = self.running_scores[:1] / (best_len ** self.length_penalty)
+        worst_finished = torch.where(self.finished_flags, torch.min(self.finished_scores),
+                                     torch.tensor(_BIG, dtype=torch.float32, device=hits.device))
+        self.heuristic_unsatisfied = self.heuristic_unsatisfied and bool(torch.any(best_possible > worst_finished))
+        exists_open_beam = not (bool(self.finished_flags.all()) and self.early_stopping is True)
+        valid_continuations = not bool(hits.all())
+        self.done = not (self.heuristic_unsatisfied and exists_open_beam and valid_continuations)
+
+    def best(self, n: int) -> List[Hypothesis]:
+        """The n best finished hypotheses, best first."""
+        return [h for h in self.finished[:n] if h is not None]
+
+
+def group_children(decisions: List[BeamDecision], num_parents: int) -> List[List[Tuple[int, BeamDecision]]]:
+    """For each parent beam, the (new position, decision) pairs that continue it."""
+    children: List[List[Tuple[int, BeamDecision]]] = [[] for _ in range(num_parents)]
+    for position, decision in enumerate(decisions):
+        children[decision.parent].append((position, decision))
+    return children
+
+
+def apply_beam_decisions(live: List["Sequence"], decisions: List[BeamDecision], block_manager) -> List["Sequence"]:
+    """Map a step's decisions onto sequences: a parent continued by several beams is forked (its blocks
+    shared), the first continuation reuses the parent, and a parent nobody continues is freed at once.
+    Returns the new live beams in ranking order."""
+    new_live: List[Optional["Sequence"]] = [None] * len(decisions)
+    for parent, children in zip(live, group_children(decisions, len(live))):
+        if not children:
+            block_manager.free(parent)
+            continue
+        for position, decision in children[1:]:
+            child = parent.fork()
+            block_manager.fork(parent, child)
+            _extend(child, decision)
+            new_live[position] = child
+        position, decision = children[0]
+        _extend(parent, decision)
+        new_live[position] = parent
+    return [seq for seq in new_live if seq is not None]
+
+
+def _extend(seq: "Sequence", decision: BeamDecision) -> None:
+    seq.append_token(decision.token_id, decision.logprob)
+    seq.cumulative_logprob = decision.score
+    seq.beam_indices.append(decision.parent)
+    if seq.grammar is not None and not seq.grammar.accept(decision.token_id):
+        raise RuntimeError(f"beam token {decision.token_id} is not allowed by the structured-output grammar")

@@ -1,0 +1,184 @@
+"""Logits -> next tokens for a whole step at once.
+
+Order of processing follows Hugging Face's logits processors: penalties and min-tokens masking,
+then temperature, top-k, top-p, min-p. Logits are handled in float32 (as transformers' `generate`
+does), so greedy and beam decisions match it. Rows with a `seed` draw from their own generator, so a
+seeded request gives the same tokens whatever else shares the batch.
+
+Truncation and the draws are `kernels.sample_rows` (see kernels/sampling.py): no row is sorted, the
+draw's cumulative sum covers only the kept tokens, and a greedy row costs its argmax and one
+log-sum-exp (its token's log-probability is part of every output). Full log-softmax rows are computed
+only for the rows that ask for top logprobs or scores, and only over their kept tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+import torch
+
+from paged_backend import kernels
+from paged_backend.sampling.logits_processors import ProcessorRow, apply_logits_processors
+from paged_backend.structured.matcher import GrammarMasker
+from paged_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_backend.core.sequence import Sequence
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleRequest:
+    """One logits row to sample from."""
+
+    params: SamplingParams
+    seq: Sequence
+    num_samples: int = 1
+    generator: Optional[torch.Generator] = None
+    blocked_ids: List[int] = field(default_factory=list)  # masked while fewer than min_tokens were generated
+
+
+@dataclass
+class SampleResult:
+    token_ids: List[int]
+    logprobs: List[float]
+    top_logprobs: Optional[List[Dict[int, float]]] = None
+    scores: Optional[torch.Tensor] = None   # processed scores of the row (output_scores)
+    logits: Optional[torch.Tensor] = None   # raw logits of the row (output_scores)
+
+
+def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest],
+                    masker: Optional[GrammarMasker] = None) -> torch.Tensor:
+    """Repetition (HF: over prompt and output), presence and frequency (over output) penalties,
+    min-tokens masking, the request's own logits processors, then its structured-output grammar mask,
+    in place on float32 rows."""
+    for i, req in enumerate(requests):
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(req.seq.token_ids, device=logits.device, dtype=torch.long)
+            picked = logits[i].gather(0, ids)
+            picked = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+            logits[i].scatter_(0, ids, picked)
+        if (p.presence_penalty or p.frequency_penalty) and req.seq.num_output_tokens:
+            ids = torch.tensor(req.seq.output_token_ids, device=logits.device, dtype=torch.long)
+            counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if req.blocked_ids and req.seq.num_output_tokens < p.min_tokens and not _grammar_complete(req.seq):
+            logits[i, [t for t in req.blocked_ids if t < logits.shape[1]]] = NEG_INF
+    with_processors = [ProcessorRow(i, r.seq.token_ids[:r.seq.prompt_len], r.seq.output_token_ids,
+                                    r.params.logits_processors)
+                       for i, r in enumerate(requests) if r.params.logits_processors]
+    if with_processors:
+        apply_logits_processors(logits, with_processors)
+    constrained = [i for i, r in enumerate(requests) if r.seq.grammar is not None]
+    if constrained:  # last, so that nothing after it can allow a token the grammar forbids
+        if masker is None:
+            masker = GrammarMasker(logits.shape[1])
+        masker.apply(logits, constrained, [requests[i].seq.grammar for i in constrained])
+    return logits
+
+
+def _grammar_complete(seq: Sequence) -> bool:
+    """The sequence's grammar may end here, so EOS must stay allowed even before min_tokens."""
+    return seq.grammar is not None and seq.grammar.is_completed
+
+
+def apply_temperature(logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
+    """Divide sampled rows by their temperature, in place (greedy rows are left as they are)."""
+    temps = [1.0 if r.params.is_greedy else r.params.temperature for r in requests]
+    if any(t != 1.0 for t in temps):
+        logits.div_(torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None])
+    return logits
+
+
+def truncation_params(requests: List[SampleRequest]) -> tuple:
+    """Per row: top_k (-1: none), top_p, min_p and whether the row is greedy, as tensors."""
+    top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float64)
+    min_p = torch.tensor([r.params.min_p for r in requests], dtype=torch.float64)
+    greedy = torch.tensor([r.params.is_greedy for r in requests], dtype=torch.bool)
+    return top_k, top_p, min_p, greedy
+
+
+class Sampler:
+    """Samples a step's rows: greedy, temperature, top-k/p, min-p, penalties, seeds, logprobs."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._masker: Optional[GrammarMasker] = None
+
+    def masker(self, vocab_size: int) -> GrammarMasker:
+        """The grammar masker (its bitmask buffer is kept across steps)."""
+        if self._masker is None or self._masker.vocab_size != vocab_size:
+            self._masker = GrammarMasker(vocab_size)
+        return self._masker
+
+    def _masker_for(self, logits: torch.Tensor, requests: List[SampleRequest]) -> Optional[GrammarMasker]:
+        return self.masker(logits.shape[1]) if any(r.seq.grammar is not None for r in requests) else None
+
+    def sample(self, logits: torch.Tensor, requests: List[SampleRequest]) -> List[SampleResult]:
+        raw = logits.to(torch.float32)
+        keep_raw = any(r.params.output_scores for r in requests)
+        scores = apply_penalties(raw.clone() if keep_raw else raw, requests, self._masker_for(logits, requests))
+        scores = apply_temperature(scores, requests)
+        uniforms, offsets = self._uniforms(requests)
+        draws = kernels.sample_rows(scores, *truncation_params(requests), uniforms, offsets)
+        tokens, token_lps = draws.tokens.tolist(), draws.logprobs.tolist()
+        results = []
+        for i, req in enumerate(requests):
+            row_tokens = tokens[int(offsets[i]):int(offsets[i + 1])]
+            row_lps = token_lps[int(offsets[i]):int(offsets[i + 1])]
+            result = SampleResult(row_tokens, row_lps)
+            if req.params.logprobs is not None:
+                top = self._top_logprobs(scores[i], int(draws.kept[i]), float(draws.log_norm[i]), req.params.logprobs)
+                result.top_logprobs = [{**top, t: lp} for t, lp in zip(row_tokens, row_lps)]
+            if req.params.output_scores:
+                result.scores = self._kept_scores(scores[i], int(draws.kept[i]))
+                result.logits = raw[i].clone()
+            results.append(result)
+        return results
+
+    @staticmethod
+    def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, float]:
+        """The k most likely kept tokens and their log-probabilities under the truncated distribution."""
+        if not k:
+            return {}
+        values, ids = row.topk(min(k, kept))
+        return dict(zip(ids.tolist(), (values.double() - log_norm).tolist()))
+
+    @staticmethod
+    def _kept_scores(row: torch.Tensor, kept: int) -> torch.Tensor:
+        """The row as sampling saw it: the kept tokens' scores, -inf elsewhere (output_scores)."""
+        if kept >= row.shape[0]:
+            return row.clone()
+        values, ids = row.topk(kept)
+        return torch.full_like(row, NEG_INF).scatter_(0, ids, values)
+
+    def _uniforms(self, requests: List[SampleRequest]):
+        """One float64 uniform per draw of every sampled row (greedy rows get zeros, unused), drawn in the
+        order the previous inverse-CDF sampler drew them: one batch from the engine's generator for the
+        unseeded single-sample rows, then each other row from its own generator (or the engine's). A seeded
+        row's draws therefore never depend on the rest of the batch."""
+        counts = [r.num_samples for r in requests]
+        offsets = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)
+        uniforms = torch.zeros(int(offsets[-1]), dtype=torch.float64)
+        sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        shared = [i for i in sampled if requests[i].generator is None and requests[i].num_samples == 1]
+        if shared:
+            u = torch.rand(len(shared), 1, generator=self.generator, dtype=torch.float64)[:, 0]
+            uniforms[offsets[torch.tensor(shared)]] = u
+        shared_rows = set(shared)
+        for i in sampled:
+            if i in shared_rows:
+                continue
+            req = requests[i]
+            u = torch.rand(req.num_samples, generator=req.generator or self.generator, dtype=torch.float64)
+            uniforms[int(offsets[i]):int(offsets[i + 1])] = u
+        return uniforms, offsets
+
+    def beam_log_probs(self, logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
+        """HF beam search scores: log-softmax first, then the processors applied to the log-probs."""
+        return apply_penalties(torch.log_softmax(logits.to(torch.float32), dim=-1), requests,
+                               self._masker_for(logits, requests))

@@ -1,0 +1,1 @@
+"""Structured outputs: the constraint parameters, grammar compilation (xgrammar) and per-sequence matchers."""

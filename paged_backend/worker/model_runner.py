@@ -1,0 +1,76 @@
+"""One forward of an unmodified Hugging Face model per step, the whole step packed as one row.
+
+`ModelRunner.execute` applies the step's block swaps and copies (`StepInputs`, built on the engine
+side by `input_builder.prepare_inputs`), then runs the model with our attention function and returns
+logits only for the rows that sample. The device side: it knows nothing of the scheduler or engine.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, Iterator
+
+import torch
+
+from paged_backend.worker.attention import ATTENTION_NAME, AttentionMetadata, attention_context, register_attention
+from paged_backend.worker.cache_engine import CacheEngine
+from paged_backend.worker.model_support import check_model_supported
+from paged_backend.worker.step_inputs import StepInputs
+
+
+def attention_layers(model: torch.nn.Module) -> Dict[int, int]:
+    """id(attention module) -> cache layer, from the modules' `layer_idx`."""
+    layers = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and "attention" in type(module).__name__.lower():
+            layers[id(module)] = idx
+    return layers
+
+
+class ModelRunner:
+    """Runs steps of one model over its paged KV cache."""
+
+    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine) -> None:
+        check_model_supported(model)
+        register_attention()
+        self.model = model
+        self.cache_engine = cache_engine
+        self.device = next(model.parameters()).device
+        self.layer_of = attention_layers(model)
+        if len(set(self.layer_of.values())) != cache_engine.geometry.num_layers:
+            raise ValueError(f"{type(model).__name__}: found {len(set(self.layer_of.values()))} attention layers "
+                             f"with a layer index, expected {cache_engine.geometry.num_layers}")
+
+    @contextmanager
+    def _paged_attention(self) -> Iterator[None]:
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`."""
+        self.cache_engine.swap_out(inputs.swap_out)
+        self.cache_engine.swap_in(inputs.swap_in)
+        self.cache_engine.copy(inputs.copies)
+        if inputs.num_tokens == 0:
+            return torch.empty(0, 0)
+        inputs = inputs.to(self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, context_lens=inputs.context_lens,
+            query_start_loc=inputs.query_start_loc, block_size=self.cache_engine.block_size,
+            kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of, kv_scales=self.cache_engine.kv_scales)
+        # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
+        # inference tensors forbid outside inference mode.
+        with torch.no_grad(), attention_context(metadata), self._paged_attention():
+            output = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.positions[None],
+                                use_cache=False, logits_to_keep=inputs.sample_indices)
+        return output.logits[0]
+
+    def shutdown(self) -> None:
+        """Release the KV cache; the runner cannot run steps afterwards."""
+        self.cache_engine.release()
