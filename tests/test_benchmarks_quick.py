@@ -33,6 +33,9 @@ from paged_backend.cli import main as cli_main
 from paged_backend.metrics import EngineStats
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return get_model("tiny-llama")[1]
@@ -450,6 +453,24 @@ def test_guidellm_gets_paths_that_hold_in_its_own_working_directory(tmp_path, mo
     spec = scenario("http://127.0.0.1:1", "m", str(tmp_path), {}, load, Path("results/guidellm/r0.json"))
     assert run_guidellm(fake, spec, Path("results/guidellm"), "r0", timeout_s=60) == {}
     assert (tmp_path / "results/guidellm/r0.json").exists() and (tmp_path / "results/guidellm/r0.scenario.json").exists()
+
+
+def test_guidellm_comes_from_make_install_and_a_run_never_installs_it(tmp_path, monkeypatch):
+    """Installs belong to `make install`: guidellm's environment lives inside .venv and a benchmark run without it
+    fails naming `make install` instead of building an environment elsewhere at run time."""
+    from paged_backend.benchmarks import guidellm_env
+
+    recipe = subprocess.run(["make", "-n", "-B", "install"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert recipe.returncode == 0 and "-m paged_backend.benchmarks.guidellm_env" in recipe.stdout, recipe.stderr
+    made = guidellm_env.venv_dir()
+    assert made.parent == Path(sys.prefix) and (made / "bin" / "guidellm").is_file()   # what make install made
+    built = []
+    monkeypatch.setattr(guidellm_env, "_build", built.append)
+    monkeypatch.delenv("PAGED_BENCH_GUIDELLM", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    with pytest.raises(RuntimeError, match="make install"):
+        guidellm_env.guidellm_executable()
+    assert built == [] and list(tmp_path.iterdir()) == []
 
 
 def test_recompute_policies_count_what_each_policy_recomputes():
