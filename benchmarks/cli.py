@@ -83,7 +83,9 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p.add_argument("--allow-dirty", action="store_true", help="with --documented: record from a tree with "
                                                               "uncommitted changes (marked dirty in the JSON)")
     p.add_argument("--results-dir", default="results", help="where NAME/NAME.json and NAME.png go")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (docs: do not redraw the plots)")
+    p.add_argument("--docs-dir", default=None, help="the docs folder whose benchmarks.md and img/ records `docs` "
+                                                    "and --documented use (default: the checkout's docs/)")
     for option, (dest, kind, text) in OPTIONS.items():
         if kind is bool:
             p.add_argument(option, dest=dest, action="store_true", default=None, help=text)
@@ -136,7 +138,7 @@ def run_one(name: str, args: argparse.Namespace) -> List[str]:
     config = spec.config(size, **({} if args.documented else _overrides(spec, args)))
     out_dir = Path(args.results_dir) / name
     if args.documented:
-        json_path, plot_path = record_paths(name)
+        json_path, plot_path = record_paths(name, _docs_dir(args))
     else:
         json_path, plot_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
     extra = {"size": size, "documented": bool(args.documented), "command": command_line(args, name, size)}
@@ -156,11 +158,15 @@ def _refuse_documented(args: argparse.Namespace) -> None:
         raise ValueError(f"refusing to write a documented record: {refusal}")
 
 
+def _docs_dir(args: argparse.Namespace) -> Path:
+    return Path(args.docs_dir) if args.docs_dir else DOCS_DIR
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from .docgen import regenerate
 
     if args.benchmark == "docs":
-        problems = regenerate(DOCS_DIR)
+        problems = regenerate(_docs_dir(args), plot=not args.no_plot)
         for problem in problems:
             print(f"docs: {problem}")
         return 1 if problems else 0
@@ -175,7 +181,7 @@ def run_bench(args: argparse.Namespace) -> int:
             problems += run_one(name, args)
             print()
     if args.documented:
-        problems += [f"docs: {p}" for p in regenerate(DOCS_DIR)]
+        problems += [f"docs: {p}" for p in regenerate(_docs_dir(args))]
     for problem in problems:
         print(f"INVARIANT VIOLATED: {problem}")
     return 1 if problems else 0
