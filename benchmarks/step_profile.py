@@ -1,8 +1,8 @@
 """Where the engine's own time goes in a decode step: cProfile of `LLMEngine.step` with the dry runner.
 
 `paged-backend bench step-profile --documented` brings 256 32-token prompts of smollm2 to decoding, replaces the
-model forward with the dry runner (fixed logits), then profiles 20 steps and records the step's call tree two
-levels deep (milliseconds per step of each function `LLMEngine.step` calls, and of what those call), the
+model forward with the dry runner (fixed logits), then profiles 20 steps and records the step's call tree three
+levels deep (milliseconds per step of each function `LLMEngine.step` calls, of what those call, and so on), the
 functions with the most time of their own, and the unprofiled step time, in
 docs/measurements/step-profile.json. What remains besides the dry runner's logits (`DryRunner.execute`) is the
 step outside the model forward: scheduling, block tables, input preparation, the sampler, detokenization and
@@ -25,6 +25,8 @@ from .report import BenchmarkSpec, format_table
 
 Key = Tuple[str, int, str]
 SHOWN_SHARE = 0.02   # the table shows the calls that take at least this share of the profiled step
+KEPT_SHARE = 0.01    # the record keeps the calls below the first level that take at least this share
+DEPTH = 3
 
 
 @dataclass
@@ -52,17 +54,25 @@ def _callees(stats: Dict[Key, tuple], caller: Key, steps: int) -> List[dict]:
     return sorted(found, key=lambda c: -c["ms_per_step"])
 
 
+def _tree(stats: Dict[Key, tuple], caller: Key, steps: int, depth: int, floor_ms: float) -> List[dict]:
+    """The calls under `caller`, `depth` levels deep; below the first level only those of at least `floor_ms`."""
+    calls = []
+    for call in _callees(stats, caller, steps):
+        key = call.pop("key")
+        if depth > 1:
+            call["calls"] = [c for c in _tree(stats, key, steps, depth - 1, floor_ms) if c["ms_per_step"] >= floor_ms]
+        calls.append(call)
+    return calls
+
+
 def call_tree(profile: cProfile.Profile, steps: int) -> dict:
-    """`LLMEngine.step`'s time per step and its callees two levels deep, from a profile of `steps` steps."""
+    """`LLMEngine.step`'s time per step and its calls `DEPTH` levels deep, from a profile of `steps` steps."""
     stats = pstats.Stats(profile).stats
     code = LLMEngine.step.__code__
     root = (code.co_filename, code.co_firstlineno, code.co_name)
-    level1 = _callees(stats, root, steps)
-    for call in level1:
-        call["calls"] = [{k: v for k, v in c.items() if k != "key"} for c in _callees(stats, call["key"], steps)]
+    step_ms = stats[root][3] / steps * 1000
     own = sorted(stats.items(), key=lambda item: -item[1][2])[:15]
-    return {"step_ms": stats[root][3] / steps * 1000,
-            "calls": [{k: v for k, v in c.items() if k != "key"} for c in level1],
+    return {"step_ms": step_ms, "calls": _tree(stats, root, steps, DEPTH, KEPT_SHARE * step_ms),
             "own_time": [{"function": _name(key), "calls_per_step": nc / steps, "own_ms_per_step": tt / steps * 1000,
                           "cumulative_ms_per_step": ct / steps * 1000} for key, (_, nc, tt, ct, _) in own]}
 
@@ -103,17 +113,21 @@ def check_step_profile(result: dict) -> List[str]:
     return problems
 
 
+def _rows(calls: List[dict], total: float, indent: str = "") -> List[List[str]]:
+    rows = []
+    for call in calls:
+        if call["ms_per_step"] >= SHOWN_SHARE * total:
+            rows.append([indent + call["function"], f"{call['ms_per_step']:.2f}", f"{call['ms_per_step'] / total:.1%}"])
+            rows += _rows(call.get("calls", []), total, indent + "  ")
+    return rows
+
+
 def step_profile_table(result: dict) -> str:
     profile = result["profile"]
     total = profile["step_ms"]
-    rows = []
-    for call in profile["calls"]:
-        if call["ms_per_step"] >= SHOWN_SHARE * total:
-            rows.append([call["function"], f"{call['ms_per_step']:.2f}", f"{call['ms_per_step'] / total:.1%}"])
-            rows += [[f"  {c['function']}", f"{c['ms_per_step']:.2f}", f"{c['ms_per_step'] / total:.1%}"]
-                     for c in call["calls"] if c["ms_per_step"] >= SHOWN_SHARE * total]
     c = result["config"]
-    return format_table(["called by LLMEngine.step (and what it calls)", "ms per step", "share of step"], rows,
+    return format_table(["called by LLMEngine.step (and what it calls)", "ms per step", "share of step"],
+                        _rows(profile["calls"], total),
                         title=f"cProfile of {c['decode_steps']} decode steps, {result['running']} running sequences "
                               f"of {c['model']}, dry runner (no forward): {total:.1f} ms per profiled step, "
                               f"{result['unprofiled_step_ms']:.1f} ms unprofiled; calls of at least "
