@@ -1,7 +1,7 @@
 """Where the engine's own time goes in a decode step: cProfile of `LLMEngine.step` with the dry runner.
 
 `paged-backend bench step-profile --documented` brings 256 32-token prompts of smollm2 to decoding, replaces the
-model forward with the dry runner (fixed logits), then profiles 20 steps and records the step's call tree three
+model forward with the dry runner (fixed logits), then profiles 20 steps and records the step's call tree four
 levels deep (milliseconds per step of each function `LLMEngine.step` calls, of what those call, and so on), the
 functions with the most time of their own, and the unprofiled step time, in
 docs/measurements/step-profile.json. What remains besides the dry runner's logits (`DryRunner.execute`) is the
@@ -26,7 +26,7 @@ from .report import BenchmarkSpec, format_table
 Key = Tuple[str, int, str]
 SHOWN_SHARE = 0.02   # the table shows the calls that take at least this share of the profiled step
 KEPT_SHARE = 0.01    # the record keeps the calls below the first level that take at least this share
-DEPTH = 3
+DEPTH = 4
 
 
 @dataclass
