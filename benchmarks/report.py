@@ -71,6 +71,15 @@ def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def conditions_line(c: Dict[str, Any]) -> str:
+    """`conditions()` as one line of text, for records written as Markdown."""
+    git, m, v = c["git"], c["machine"], c["versions"]
+    return (f"Conditions: commit `{git.get('commit') or 'unknown'}`{' (dirty tree)' if git.get('dirty') else ''}, "
+            f"started {c['time']}; machine: {m.get('host_cpus')} cores, {m.get('cpu_model')}, "
+            f"{m.get('memory_gib')} GiB, load average {m.get('load_average_1_5_15')}; versions: "
+            + ", ".join(f"{k} {val}" for k, val in v.items()) + f"; torch threads {c['torch_threads']}")
+
+
 def write_json(path: Path, data: Dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")

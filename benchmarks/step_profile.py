@@ -27,6 +27,7 @@ Key = Tuple[str, int, str]
 SHOWN_SHARE = 0.02   # the table shows the calls that take at least this share of the profiled step
 KEPT_SHARE = 0.01    # the record keeps the calls below the first level that take at least this share
 DEPTH = 4
+OWN_SHOWN = 12       # the functions with the most own time the table lists
 
 
 @dataclass
@@ -126,12 +127,16 @@ def step_profile_table(result: dict) -> str:
     profile = result["profile"]
     total = profile["step_ms"]
     c = result["config"]
-    return format_table(["called by LLMEngine.step (and what it calls)", "ms per step", "share of step"],
+    tree = format_table(["called by LLMEngine.step (and what it calls)", "ms per step", "share of step"],
                         _rows(profile["calls"], total),
                         title=f"cProfile of {c['decode_steps']} decode steps, {result['running']} running sequences "
                               f"of {c['model']}, dry runner (no forward): {total:.1f} ms per profiled step, "
                               f"{result['unprofiled_step_ms']:.1f} ms unprofiled; calls of at least "
                               f"{SHOWN_SHARE:.0%} of the step")
+    own = format_table(["function", "calls per step", "own ms per step", "with its calls, ms per step"], [
+        [f["function"], f"{f['calls_per_step']:.0f}", f"{f['own_ms_per_step']:.2f}",
+         f"{f['cumulative_ms_per_step']:.2f}"] for f in profile["own_time"][:OWN_SHOWN]], title="The functions with the most time of their own")
+    return tree + "\n\n" + own
 
 
 SPEC = BenchmarkSpec("step-profile", StepProfileConfig, run_step_profile, check_step_profile, step_profile_table, "",

@@ -121,6 +121,12 @@ COMMANDS: Dict[str, Run] = {
     "paged-backend bench sharing": Run("covered", covered_by=QUICK.format("sharing")),
     **{f"paged-backend bench {name} --documented": Run("covered", covered_by=QUICK.format(name))
        for name in ("waste", "throughput", "sharing", "serving", "overhead", "structured")},
+    "paged-backend bench recompute-policies --documented": Run(
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_recompute_policies_study"),
+    "paged-backend bench busy-threads --documented": Run(
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_busy_threads_study"),
+    "paged-backend bench step-profile --documented": Run(
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_step_profile_records_the_step_call_tree"),
 }
 # runs whose commands need another's output first
 NEEDS = {TRITON_SERVE: [TRITON_REPO]}
