@@ -164,14 +164,15 @@ def run_serve(args: argparse.Namespace) -> int:
               f"\"temperature\": 0}}}}'", flush=True)
         while not stop["requested"] and server.is_running():
             time.sleep(0.5)
-        code = 0 if stop["requested"] else 1
         if not stop["requested"]:
             print(f"tritonserver exited unexpectedly:\n{server.log_tail()}", flush=True)
     finally:
-        server.stop()
+        server_code = server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if stop["requested"] and server_code != 0:
+            print(f"tritonserver did not stop cleanly (exit {server_code}):\n{server.log_tail()}", flush=True)
         server.cleanup()
         if repo_dir is not None:
             repo_dir.cleanup()
-    return code
+    return 0 if stop["requested"] and server_code == 0 else 1
