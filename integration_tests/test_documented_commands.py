@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 from documented_commands import ROOT, documented_commands
+from paged_backend.adapters.triton.tritonserver_process import children_of, free_port
 
 BIN = Path(sys.executable).parent      # the .venv's bin: paged-backend, torchrun
 TINY = "tiny-llama"
@@ -194,12 +194,6 @@ def _parse(text: str) -> None:
 
 
 # ---- running them -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _substituted(text: str, places: Dict[str, str]) -> str:
     for pattern, replacement in SMALL:
         text = re.sub(pattern, replacement, text)
@@ -253,12 +247,9 @@ class Launched:
 
     def processes(self) -> List[int]:
         """This command's process and all its descendants."""
-        family, parents = [self.proc.pid], _parents()
-        grew = True
-        while grew:
-            more = [pid for pid, parent in parents.items() if parent in family and pid not in family]
-            family += more
-            grew = bool(more)
+        family = [self.proc.pid]
+        for pid in family:          # grows while it is walked
+            family += children_of(pid)
         return family
 
     def server_pid(self) -> int:
@@ -289,18 +280,6 @@ class Launched:
             pass
         self.proc.wait(10)
         self._reader.join(5)
-
-
-def _parents() -> Dict[int, int]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            found[int(entry.name)] = int(stat[stat.rfind(")") + 2:].split()[1])
-    return found
 
 
 def _alive(pid: int) -> bool:
