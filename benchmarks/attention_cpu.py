@@ -32,6 +32,9 @@ from paged_backend.kernels import reference
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.step_inputs import StepInputs
 
+from .provenance import load_average
+from .report import conditions, now
+
 BACKENDS = ("cpp", "torch")
 
 
@@ -314,7 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not args.no_main:
         systems.append(System("main", "torch", full, main_gather=True))
     systems += [System(f"cpp {kv} cache", "cpp", runner_for(kv)) for kv in args.kv_cache_dtypes.split(",") if kv]
-    report = {"threads": torch.get_num_threads(), "model": args.model, "steps": [], "layer": []}
+    report = {"conditions": conditions(), "threads": torch.get_num_threads(), "model": args.model, "steps": [],
+              "layer": []}
     for i, shape in enumerate(shapes):
         result = measure_steps(systems, shape, step_inputs(shape, args.block_size, num_blocks, args.seed + i),
                                args.repetitions)
@@ -327,6 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             report["layer"].append(result)
             print(json.dumps(result))
     if args.json:
+        report["conditions"].update(finished=now(), load_average_after=load_average())
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
 

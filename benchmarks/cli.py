@@ -1,7 +1,8 @@
-"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, structured, or all) at a
-named size, print its table, write NAME.json and NAME.png under RESULTS/NAME/. `--documented` runs each at
-the size docs/benchmarks.md documents, records it under docs/img/ and regenerates the doc; `bench docs`
-regenerates docs/benchmarks.md and its plots from the recorded JSON alone."""
+"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, structured, or all) or
+a study (recompute-policies, busy-threads, step-profile) at a named size, print its table, write NAME.json (and
+NAME.png) under RESULTS/NAME/. `--documented` runs it at the size docs/benchmarks.md documents, records it
+(benchmarks: docs/img/bench-NAME.json beside the plot; studies: docs/measurements/NAME.json) and regenerates the
+doc; `bench docs` regenerates docs/benchmarks.md and its plots from the recorded JSON alone."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .provenance import REPO_ROOT, dirty_refusal, git_state, pinned_git_state
 
-BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")
+BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")   # `all`, one commit
+STUDIES = ("recompute-policies", "busy-threads", "step-profile")   # side studies, each recorded on its own
 DOCS_DIR = REPO_ROOT / "docs"
 
 
-def record_paths(name: str, docs_dir: Optional[Path] = None) -> Tuple[Path, Path]:
-    """Where a documented record of `name` lives: its JSON beside its plot under docs/img/."""
-    img = (docs_dir or DOCS_DIR) / "img"
-    return img / f"bench-{name}.json", img / f"bench-{name}.png"
+def record_paths(name: str, docs_dir: Optional[Path] = None) -> Tuple[Path, Optional[Path]]:
+    """Where a documented record of `name` lives: a benchmark's JSON beside its plot under docs/img/, a study's
+    JSON (no plot) under docs/measurements/."""
+    docs = docs_dir or DOCS_DIR
+    if name in STUDIES:
+        return docs / "measurements" / f"{name}.json", None
+    return docs / "img" / f"bench-{name}.json", docs / "img" / f"bench-{name}.png"
 
 
 def _ints(text: str) -> Tuple[int, ...]:
@@ -65,15 +70,19 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--min-requests": ("min_requests", int, "serving: requests per concurrency at least (else 2 per stream)"),
     "--max-model-len": ("max_model_len", int, "throughput/serving: context limit of the engines and servers"),
     "--batch-sizes": ("batch_sizes", _ints, "overhead: running sequences, e.g. 1,64,256"),
-    "--decode-steps": ("decode_steps", int, "overhead: decode steps averaged per batch size"),
+    "--decode-steps": ("decode_steps", int, "overhead: decode steps averaged per batch size; step-profile: steps "
+                                            "profiled"),
+    "--batch": ("batch", int, "step-profile: running sequences"),
+    "--seconds": ("seconds", float, "busy-threads: seconds of streaming per server and wait policy"),
 }
 
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="reproduce the paper's measurements (waste, throughput, sharing, serving, "
-                                         "overhead; structured: the cost of a JSON schema; all; docs regenerates "
+                                         "overhead; structured: the cost of a JSON schema; all; the studies "
+                                         "recompute-policies, busy-threads, step-profile; docs regenerates "
                                          "docs/benchmarks.md)", description=__doc__)
-    p.add_argument("benchmark", choices=BENCHMARKS + ("all", "docs"))
+    p.add_argument("benchmark", choices=BENCHMARKS + STUDIES + ("all", "docs"))
     p.add_argument("--size", default=None, help="a named size: quick, full (waste/sharing/overhead), anchor "
                                                 "(throughput/serving); default: the documented one")
     p.add_argument("--quick", action="store_true", help="same as --size quick (a smoke test, seconds)")
@@ -83,7 +92,9 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p.add_argument("--allow-dirty", action="store_true", help="with --documented: record from a tree with "
                                                               "uncommitted changes (marked dirty in the JSON)")
     p.add_argument("--results-dir", default="results", help="where NAME/NAME.json and NAME.png go")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (docs: do not redraw the plots)")
+    p.add_argument("--docs-dir", default=None, help="the docs folder whose benchmarks.md and img/ records `docs` "
+                                                    "and --documented use (default: the checkout's docs/)")
     for option, (dest, kind, text) in OPTIONS.items():
         if kind is bool:
             p.add_argument(option, dest=dest, action="store_true", default=None, help=text)
@@ -94,7 +105,7 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
 
 
 def spec_of(name: str):
-    return importlib.import_module(f"{__package__}.{name}").SPEC
+    return importlib.import_module(f"{__package__}.{name.replace('-', '_')}").SPEC
 
 
 def _overrides(spec, args: argparse.Namespace) -> dict:
@@ -136,12 +147,13 @@ def run_one(name: str, args: argparse.Namespace) -> List[str]:
     config = spec.config(size, **({} if args.documented else _overrides(spec, args)))
     out_dir = Path(args.results_dir) / name
     if args.documented:
-        json_path, plot_path = record_paths(name)
+        json_path, plot_path = record_paths(name, _docs_dir(args))
     else:
         json_path, plot_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
     extra = {"size": size, "documented": bool(args.documented), "command": command_line(args, name, size)}
-    result = run_and_report(name, lambda: spec.execute(config, out_dir), spec.check, spec.table,
-                            None if args.no_plot else spec.plot_function(), json_path, plot_path, extra)
+    plot = None if args.no_plot or not spec.plot else spec.plot_function()
+    result = run_and_report(name, lambda: spec.execute(config, out_dir), spec.check, spec.table, plot, json_path,
+                            plot_path, extra)
     print(f"[{name}] {result['elapsed_s']:.0f} s; results in {json_path.parent}/")
     return [f"{name}: {p}" for p in result.get("problems", [])]
 
@@ -156,11 +168,15 @@ def _refuse_documented(args: argparse.Namespace) -> None:
         raise ValueError(f"refusing to write a documented record: {refusal}")
 
 
+def _docs_dir(args: argparse.Namespace) -> Path:
+    return Path(args.docs_dir) if args.docs_dir else DOCS_DIR
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from .docgen import regenerate
 
     if args.benchmark == "docs":
-        problems = regenerate(DOCS_DIR)
+        problems = regenerate(_docs_dir(args), plot=not args.no_plot)
         for problem in problems:
             print(f"docs: {problem}")
         return 1 if problems else 0
@@ -175,7 +191,7 @@ def run_bench(args: argparse.Namespace) -> int:
             problems += run_one(name, args)
             print()
     if args.documented:
-        problems += [f"docs: {p}" for p in regenerate(DOCS_DIR)]
+        problems += [f"docs: {p}" for p in regenerate(_docs_dir(args))]
     for problem in problems:
         print(f"INVARIANT VIOLATED: {problem}")
     return 1 if problems else 0

@@ -1,9 +1,11 @@
-"""Regenerate docs/benchmarks.md and its plots from the recorded JSON (docs/img/bench-NAME.json) alone.
+"""Regenerate docs/benchmarks.md and its plots from the recorded JSON alone (docs/img/bench-NAME.json for the
+benchmarks, docs/measurements/NAME.json for the studies).
 
 The prose of docs/benchmarks.md is written by hand; every figure sits in a generated block,
 `<!-- generated: KIND NAME -->` ... `<!-- end generated -->`, rewritten here from the records:
 `record NAME` (command, commit, machine, duration), `table NAME`, `plot NAME` and `headline`.
-A benchmark without a record gets a line saying so instead of stale numbers.
+A benchmark without a record gets a line saying so instead of stale numbers. The benchmarks' records must come
+from one commit (`make bench` runs them together); each study's record names its own.
 """
 
 from __future__ import annotations
@@ -13,16 +15,22 @@ import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-BLOCK = re.compile(r"(<!-- generated: ([a-z]+)(?: ([a-z]+))? -->\n)(.*?)(<!-- end generated -->)", re.S)
-NAMES = ("waste", "throughput", "sharing", "serving", "overhead", "structured")
+BLOCK = re.compile(r"(<!-- generated: ([a-z]+)(?: ([a-z-]+))? -->\n)(.*?)(<!-- end generated -->)", re.S)
+
+
+def names() -> tuple:
+    """The benchmarks, then the studies (each with its own record)."""
+    from .cli import BENCHMARKS, STUDIES
+
+    return BENCHMARKS + STUDIES
 
 
 def load_records(docs_dir: Path) -> Dict[str, dict]:
-    """name -> recorded result, for every benchmark that has a record under docs/img/."""
+    """name -> recorded result, for every benchmark and study that has a record."""
     from .cli import record_paths
 
     records = {}
-    for name in NAMES:
+    for name in names():
         path = record_paths(name, docs_dir)[0]
         if path.exists():
             records[name] = json.loads(path.read_text())
@@ -30,13 +38,27 @@ def load_records(docs_dir: Path) -> Dict[str, dict]:
 
 
 def _missing(name: str) -> str:
-    return f"*No record of the {name} benchmark at this commit yet: `make bench` writes it.*\n"
+    return (f"*No record of {name} at this commit yet: `paged-backend bench {name} --documented` (or `make bench`) "
+            f"writes it.*\n")
 
 
 def _commit_text(record: dict) -> str:
     git = record.get("conditions", {}).get("git", {})
     commit = (git.get("commit") or "unknown")[:12]
     return f"`{commit}`" + (" (**dirty tree**: uncommitted changes)" if git.get("dirty") else "")
+
+
+def _when(c: dict) -> str:
+    """The run's start and end times; a record whose start was not taken says so."""
+    start, end = c.get("time"), c.get("finished")
+    if start and end:
+        return f"run {start} to {end}"
+    return f"started {start}" if start else f"finished {end} (start not recorded)"
+
+
+def _load(c: dict) -> str:
+    start = c.get("machine", {}).get("load_average_1_5_15")
+    return f"{start if start else 'not recorded'} at the start, {c.get('load_average_after')} at the end"
 
 
 def render_record(name: str, record: dict) -> str:
@@ -46,13 +68,14 @@ def render_record(name: str, record: dict) -> str:
     lines = ["| | |", "|---|---|",
              f"| command | `{record.get('command', '?')}` ({record.get('elapsed_s', 0) / 60:.0f} min, size "
              f"`{record.get('size', '?')}`) |",
-             f"| commit | {_commit_text(record)}, run {c.get('time', '?')} |",
+             f"| commit | {_commit_text(record)}, {_when(c)} |",
              f"| machine | {m.get('host_cpus', '?')} cores ({m.get('usable_cpus', '?')} usable), "
              f"{m.get('cpu_model') or 'unknown CPU'}, {m.get('memory_gib', '?')} GiB |",
-             f"| load average (1/5/15 min) | {m.get('load_average_1_5_15')} before, "
-             f"{c.get('load_average_after')} after |",
+             f"| load average (1/5/15 min) | {_load(c)} |",
              f"| torch | {v.get('torch')}, {c.get('torch_threads')} threads; transformers {v.get('transformers')}, "
              f"Python {v.get('python')} |"]
+    if c.get("note"):
+        lines.append(f"| note | {c['note']} |")
     problems = record.get("problems") or []
     lines.append(f"| invariants | {'all hold' if not problems else 'VIOLATED: ' + '; '.join(problems)} |")
     return "\n".join(lines) + "\n"
@@ -130,7 +153,7 @@ def render(text: str, records: Dict[str, dict]) -> tuple:
         kind, name = match.group(2), match.group(3)
         if kind == "headline":
             body = render_headline(records)
-        elif kind in RENDERERS and name in NAMES:
+        elif kind in RENDERERS and name in names():
             body = RENDERERS[kind](name, records[name]) if name in records else _missing(name)
         else:
             problems.append(f"unknown generated block {kind!r} {name!r}")
@@ -138,7 +161,9 @@ def render(text: str, records: Dict[str, dict]) -> tuple:
         return match.group(1) + body + match.group(5)
 
     out = BLOCK.sub(block, text)
-    commits = {r.get("conditions", {}).get("git", {}).get("commit") for r in records.values()}
+    from .cli import BENCHMARKS
+
+    commits = {r.get("conditions", {}).get("git", {}).get("commit") for n, r in records.items() if n in BENCHMARKS}
     if len(commits) > 1:
         problems.append(f"the records come from {len(commits)} different commits; rerun `make bench` at one commit")
     return out, problems
@@ -151,7 +176,8 @@ def regenerate(docs_dir: Path, plot: bool = True) -> List[str]:
     records = load_records(docs_dir)
     if plot:
         for name, record in records.items():
-            spec_of(name).plot_function()(record, record_paths(name, docs_dir)[1])
+            if spec_of(name).plot:
+                spec_of(name).plot_function()(record, record_paths(name, docs_dir)[1])
     doc = docs_dir / "benchmarks.md"
     text, problems = render(doc.read_text(), records)
     doc.write_text(text)

@@ -28,6 +28,9 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import kernel_backend
 from paged_backend.worker.loader import TINY_PRESETS, load_model
 
+from .provenance import load_average
+from .report import conditions, now
+
 DEVICE = "cuda"   # a CPU smoke run of the script sets "cpu"
 FIDELITY_PROMPT_LENS = (5, 19, 40)      # longer than the families' 8-token windows
 FIDELITY_NEW_TOKENS = 24
@@ -276,13 +279,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result = {"conditions": conditions(), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     result["fidelity"] = check_fidelity()
     result["pressure"] = {mode: _guarded(check_pressure, mode) for mode in ("swap", "recompute")}
     print(f"pressure: {result['pressure']}", flush=True)
     if not args.skip_throughput:
         result["throughput"] = _guarded(time_throughput)
         print(f"throughput: {result['throughput']}", flush=True)
+    result["conditions"].update(finished=now(), load_average_after=load_average())
     report = report_markdown(result)
     print(report)
     if args.output:

@@ -17,6 +17,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .report import conditions, conditions_line
+
 BATCHES = (1, 4, 16, 64, 256)
 CONTEXTS = (128, 512, 2048, 8192)
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}   # tf32-free fp32 path: tight
@@ -273,6 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     name = torch.cuda.get_device_name()
     print(f"device: {name}", flush=True)
+    started = conditions()
     failures: List[str] = []
     if not args.skip_checks:
         failures += check_cache_ops()
@@ -280,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failures += check_compact_caches()
     copy_bw = copy_bandwidth()
     dtype = getattr(torch, args.dtype)
-    lines = [f"# Triton PagedAttention kernels on {name}", ""]
+    lines = [f"# Triton PagedAttention kernels on {name}", "", conditions_line(started), ""]
     lines += ["Correctness vs the reference: " + ("all checks passed" if not failures else
                                                   f"{len(failures)} FAILED: " + "; ".join(failures)), ""]
     lines += decode_table(copy_bw, 32, 8, 128, args.block_size, dtype)

@@ -8,6 +8,8 @@ set -u -o pipefail
 out=${1:?usage: benchmarks/gpu_session.sh OUTPUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+# the records name the commit of the checkout the package is copied from (the copy is not a git checkout)
+export PAGED_BENCH_COMMIT=${PAGED_BENCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 site=$(mktemp -d)
 mkdir -p "$site/paged_backend"
 cp -r paged_backend/. "$site/paged_backend/"

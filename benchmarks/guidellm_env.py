@@ -1,6 +1,8 @@
-"""guidellm (the vLLM project's load generator) in a virtual environment of its own, so its pins never touch the
-project's: created on first use under the project's cache directory (outside the repository, shared by
-checkouts), with the same CPU torch as ours pinned so pip can neither upgrade it nor pull a CUDA build.
+"""guidellm (the vLLM project's load generator) in a virtual environment of its own inside the project's
+`.venv` (`.venv/guidellm-VERSION`), built by `make install` (`python -m paged_backend.benchmarks.guidellm_env`)
+and reused until `make clean`. It cannot share the project's environment: guidellm pulls numpy 2, and Triton's
+Python-backend stub needs numpy<2 (its string tensors break silently under numpy 2). The same CPU torch as ours
+is pinned there, so pip can neither upgrade it nor pull a CUDA build.
 
 `PAGED_BENCH_GUIDELLM=/path/to/guidellm` uses an existing guidellm executable instead.
 """
@@ -21,11 +23,8 @@ _MARKER = ".paged-backend-complete"
 
 
 def venv_dir() -> Path:
-    """Where the guidellm environment lives: $PAGED_BACKEND_CACHE (or ~/.cache/paged_backend)/guidellm/..."""
-    from paged_backend.worker.loader import cache_dir
-
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_dir() / "guidellm" / f"guidellm-{GUIDELLM_VERSION}-{py}"
+    """Where the guidellm environment lives: beside this interpreter's packages, in its virtual environment."""
+    return Path(sys.prefix) / f"guidellm-{GUIDELLM_VERSION}"
 
 
 @contextmanager
@@ -68,9 +67,18 @@ def _build(venv: Path) -> None:
     (venv / _MARKER).write_text(f"guidellm=={GUIDELLM_VERSION}\n{pin}\n")
 
 
+def ensure_environment() -> Path:
+    """Build guidellm's environment unless it is complete (minutes, from the package index); its folder."""
+    venv = venv_dir()
+    with _locked(venv.parent / f".guidellm-{GUIDELLM_VERSION}.lock"):
+        if not (venv / _MARKER).exists():
+            print(f"building guidellm {GUIDELLM_VERSION}'s environment in {venv} (once)", flush=True)
+            _build(venv)
+    return venv
+
+
 def guidellm_executable() -> Path:
-    """The guidellm command to run: $PAGED_BENCH_GUIDELLM, else our environment (built on first use, which takes
-    a couple of minutes and needs the package index)."""
+    """The guidellm command to run: $PAGED_BENCH_GUIDELLM, else the environment `make install` built."""
     override = os.environ.get("PAGED_BENCH_GUIDELLM")
     if override:
         path = Path(override)
@@ -78,8 +86,11 @@ def guidellm_executable() -> Path:
             raise ValueError(f"PAGED_BENCH_GUIDELLM={override} is not a file")
         return path
     venv = venv_dir()
-    with _locked(venv.parent / ".lock"):
-        if not (venv / _MARKER).exists():
-            print(f"  building guidellm {GUIDELLM_VERSION}'s environment in {venv} (once)", flush=True)
-            _build(venv)
+    if not (venv / _MARKER).exists():
+        raise RuntimeError(f"guidellm is not installed in {venv}: `make install` builds it (or run `python -m "
+                           f"paged_backend.benchmarks.guidellm_env`, or set PAGED_BENCH_GUIDELLM to a guidellm)")
     return venv / "bin" / "guidellm"
+
+
+if __name__ == "__main__":
+    print(f"guidellm {GUIDELLM_VERSION}: {ensure_environment() / 'bin' / 'guidellm'}")

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from paged_backend import LLMEngine, SamplingParams
 
 from .engine_runs import leaked_blocks, load_bench_model, release, set_threads
-from .report import BenchmarkSpec, conditions, format_table, percent
+from .report import BenchmarkSpec, format_table, percent
 from .workloads import make_trace
 
 PHASES = ("schedule", "block_manager", "prepare_inputs", "forward", "attention", "sampling", "bookkeeping", "other")
@@ -142,7 +142,7 @@ def run_overhead(config: OverheadConfig) -> dict:
     threads = set_threads(config.threads)
     model, tokenizer = load_bench_model(config.model)
     rows = [measure_batch(model, tokenizer, batch, config) for batch in config.batch_sizes]
-    return {"benchmark": "overhead", "config": asdict(config), "conditions": conditions(threads=threads),
+    return {"benchmark": "overhead", "config": asdict(config), "conditions": {"threads": threads},
             "runs": rows, "paper": PAPER_NOTE}
 
 

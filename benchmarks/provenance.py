@@ -38,10 +38,11 @@ def _git(args: List[str], root: Path) -> Optional[str]:
 
 
 def git_state(root: Path = REPO_ROOT) -> GitState:
-    """The checkout's HEAD and its uncommitted changes (ignored files do not count); all None outside git."""
+    """The checkout's HEAD and its uncommitted changes (ignored files do not count). Outside git (a copy of the
+    package, as the GPU session lays out): the commit $PAGED_BENCH_COMMIT names, dirtiness unknown; else None."""
     commit = _git(["rev-parse", "HEAD"], root)
     if commit is None:
-        return GitState(None, None, None, [])
+        return GitState(os.environ.get("PAGED_BENCH_COMMIT") or None, None, None, [])
     branch = (_git(["rev-parse", "--abbrev-ref", "HEAD"], root) or "").strip() or None
     status = _git(["status", "--porcelain", "--untracked-files=all"], root)
     changed = [line[3:] for line in (status or "").splitlines() if line.strip()]
@@ -112,7 +113,7 @@ def machine() -> Dict[str, object]:
             "memory_gib": _memory_gib(), "os": platform.platform(), "load_average_1_5_15": load_average()}
 
 
-def versions(packages=("torch", "transformers", "paged-backend")) -> Dict[str, Optional[str]]:
+def versions(packages=("torch", "transformers", "triton", "paged-backend")) -> Dict[str, Optional[str]]:
     found: Dict[str, Optional[str]] = {"python": platform.python_version()}
     for name in packages:
         try:

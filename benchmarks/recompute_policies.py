@@ -1,28 +1,28 @@
 """How much the anchor workload recomputes after preemption under other scheduling policies.
 
-`python -m paged_backend.benchmarks.recompute_policies` runs the throughput benchmark's anchor trace (64
+`paged-backend bench recompute-policies --documented` runs the throughput benchmark's anchor trace (64
 ShareGPT requests, prompts <= 256, outputs <= 128, 192 blocks of 16) through the engine with the dry runner
 (no forward: scheduling, block management and sampling only, so the counts are the engine's own and
 deterministic) under: the default; higher admission watermarks; a reserve of free blocks per running
 sequence before a new request is admitted (not an engine option: a what-if scheduler defined here); and
-preemption by swapping (which needs host blocks beyond the KV budget). It prints steps, preemptions,
+preemption by swapping (which needs host blocks beyond the KV budget). It records steps, preemptions,
 recomputed tokens (share of the trace's prompt + output tokens), prefill tokens run, the average batch and
-the average share of the whole cache holding tokens (what a reserve gives up).
+the average share of the whole cache holding tokens (what a reserve gives up), in
+docs/measurements/recompute-policies.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
-from typing import Dict, List, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
 
 from paged_backend.core.block_manager import AllocStatus
 from paged_backend.core.scheduler import Scheduler
 
-from .engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace
-from .report import format_table
-from .throughput import ANCHOR
+from .engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace, set_threads
+from .report import BenchmarkSpec, format_table
+from .throughput import ANCHOR, QUICK
 from .workloads import make_trace
 
 
@@ -81,24 +81,64 @@ def run_policy(model, tokenizer, trace, options: dict, size: dict = ANCHOR) -> d
             "avg_batch": run.tally.avg_batch_requests, "failed": run.num_failed, "wrong_lengths": run.wrong_lengths}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
-    model, tokenizer = load_bench_model(ANCHOR["model"])
-    trace = make_trace(ANCHOR["workload"], tokenizer, ANCHOR["num_requests"], 0, ANCHOR["max_prompt_len"],
-                       ANCHOR["max_output_len"])
-    rows: List[List[str]] = []
+@dataclass
+class RecomputeConfig:
+    """The trace and the KV budget (the throughput benchmark's anchor by default)."""
+
+    model: str = "smollm2"
+    workload: str = "sharegpt"
+    num_requests: int = 64
+    max_prompt_len: int = 256
+    max_output_len: int = 128
+    kv_slots: int = 3072
+    block_size: int = 16
+    seed: int = 0
+    threads: Optional[int] = None
+
+
+def run_recompute_policies(config: RecomputeConfig) -> dict:
+    threads = set_threads(config.threads)
+    model, tokenizer = load_bench_model(config.model)
+    trace = make_trace(config.workload, tokenizer, config.num_requests, config.seed, config.max_prompt_len,
+                       config.max_output_len)
+    size = asdict(config)
+    rows = []
     for name, options in POLICIES.items():
-        r = run_policy(model, tokenizer, trace, options)
-        rows.append([name, str(r["steps"]), str(r["preemptions"]), f"{r['recomputed']} ({r['recomputed_share']:.1%})",
-                     str(r["prefill_tokens"]), f"{r['avg_batch']:.1f}", f"{r['cache_filled']:.1%}",
-                     str(r["failed"] + r["wrong_lengths"])])
-        print(rows[-1], flush=True)
-    print(format_table(["policy", "steps", "preemptions", "recomputed (share)", "prefill tokens",
-                        "avg batch", "cache holding tokens", "failed"], rows,
-                       title=f"Anchor trace, dry runner: {len(trace.requests)} requests, 192 blocks of 16"))
-    return 0
+        rows.append({"policy": name, **run_policy(model, tokenizer, trace, options, size)})
+        print(f"  {name}: {rows[-1]['preemptions']} preemptions, {rows[-1]['recomputed']} recomputed", flush=True)
+    return {"benchmark": "recompute-policies", "config": size, "conditions": {"threads": threads},
+            "trace_prompt_tokens": sum(r.prompt_len for r in trace.requests), "rows": rows}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def check_recompute_policies(result: dict) -> List[str]:
+    """Every request finishes at its length; swapping recomputes nothing; the prefill tokens add up."""
+    problems = []
+    prompts = result["trace_prompt_tokens"]
+    for row in result["rows"]:
+        if row["failed"] or row["wrong_lengths"]:
+            problems.append(f"{row['policy']}: {row['failed']} failed, {row['wrong_lengths']} at a wrong length")
+        swapped = row["policy"].startswith("swap")
+        expected = prompts if swapped else prompts + row["recomputed"] + row["preemptions"]
+        if row["prefill_tokens"] != expected or (swapped and row["recomputed"]):
+            problems.append(f"{row['policy']}: {row['prefill_tokens']} prefill tokens, expected {expected}")
+    return problems
+
+
+def recompute_policies_table(result: dict) -> str:
+    c = result["config"]
+    rows = [[r["policy"], str(r["steps"]), str(r["preemptions"]), f"{r['recomputed']} ({r['recomputed_share']:.1%})",
+             str(r["prefill_tokens"]), f"{r['avg_batch']:.1f}", f"{r['cache_filled']:.1%}",
+             str(r["failed"] + r["wrong_lengths"])] for r in result["rows"]]
+    return format_table(["policy", "steps", "preemptions", "recomputed (share)", "prefill tokens", "avg batch",
+                         "cache holding tokens", "failed"], rows,
+                        title=f"{c['workload']} trace, dry runner: {c['num_requests']} requests, "
+                              f"{c['kv_slots'] // c['block_size']} blocks of {c['block_size']}")
+
+
+ANCHOR_SIZE = {k: ANCHOR[k] for k in ("model", "workload", "num_requests", "max_prompt_len", "max_output_len",
+                                      "kv_slots", "block_size")}
+QUICK_SIZE = {**{k: QUICK[k] for k in ("model", "max_prompt_len", "max_output_len")}, "num_requests": 12,
+              "kv_slots": 96}
+SPEC = BenchmarkSpec("recompute-policies", RecomputeConfig, run_recompute_policies, check_recompute_policies,
+                     recompute_policies_table, "", {"quick": QUICK_SIZE, "anchor": ANCHOR_SIZE},
+                     documented_size="anchor")

@@ -62,9 +62,22 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
 
 def conditions(**extra: Any) -> Dict[str, Any]:
     """Machine, software and code facts recorded with every result: time, git commit (and whether the tree
-    was dirty), cores, CPU model, memory, load average at the start, versions and torch threads."""
-    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": recorded_git_state().as_dict(), "machine": machine(),
-            "versions": versions(), "torch_threads": torch.get_num_threads(), **extra}
+    was dirty), cores, CPU model, memory, load average now, versions and torch threads."""
+    return {"time": now(), "git": recorded_git_state().as_dict(), "machine": machine(), "versions": versions(),
+            "torch_threads": torch.get_num_threads(), **extra}
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def conditions_line(c: Dict[str, Any]) -> str:
+    """`conditions()` as one line of text, for records written as Markdown."""
+    git, m, v = c["git"], c["machine"], c["versions"]
+    return (f"Conditions: commit `{git.get('commit') or 'unknown'}`{' (dirty tree)' if git.get('dirty') else ''}, "
+            f"started {c['time']}; machine: {m.get('host_cpus')} cores, {m.get('cpu_model')}, "
+            f"{m.get('memory_gib')} GiB, load average {m.get('load_average_1_5_15')}; versions: "
+            + ", ".join(f"{k} {val}" for k, val in v.items()) + f"; torch threads {c['torch_threads']}")
 
 
 def write_json(path: Path, data: Dict[str, Any]) -> Path:
@@ -82,11 +95,14 @@ def run_and_report(name: str, run: Callable[[], Dict[str, Any]], check: Callable
                    json_path: Path, plot_path: Optional[Path], extra: Optional[Dict[str, Any]] = None
                    ) -> Dict[str, Any]:
     """Run a benchmark, check its invariants, print its table, write its JSON (with `extra`, e.g. the command
-    and size) and, when `plot` and `plot_path` are given, its PNG."""
+    and size, and the conditions at its start and end) and, when `plot` and `plot_path` are given, its PNG."""
+    started = conditions()          # before the run: its start time and the machine's load then
     start = time.perf_counter()
     result = run()
     result["elapsed_s"] = time.perf_counter() - start
-    result.setdefault("conditions", {})["load_average_after"] = load_average()
+    own = result.get("conditions", {})   # what the benchmark adds (its threads)
+    result["conditions"] = {**started, **own, "torch_threads": torch.get_num_threads(), "finished": now(),
+                            "load_average_after": load_average()}
     result.update(extra or {})
     result["problems"] = check(result)
     print(table(result))

@@ -24,6 +24,9 @@ from paged_backend.sampling.sampler import SampleRequest, Sampler
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.core.sequence import Sequence as Seq
 
+from .provenance import load_average
+from .report import conditions, now
+
 SETTINGS: Dict[str, SamplingParams] = {
     "greedy": SamplingParams(temperature=0.0),
     "temperature 0.8": SamplingParams(temperature=0.8),
@@ -108,6 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    started = conditions()
     logits = model_logits(args.rows, args.seed)
     samplers = {"current": (sys.modules[SampleRequest.__module__], Sampler(args.seed))}
     if args.baseline:
@@ -125,7 +129,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": args.rows, "threads": torch.get_num_threads(), "results": results}, f, indent=1)
+            json.dump({"conditions": {**started, "finished": now(), "load_average_after": load_average()},
+                       "rows": args.rows, "threads": torch.get_num_threads(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

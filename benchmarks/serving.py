@@ -16,7 +16,7 @@ from .engine_runs import set_threads
 from .guidellm_env import GUIDELLM_VERSION, guidellm_executable
 from .guidellm_run import GuidellmLoad, read_report, run_guidellm, scenario
 from .repeat import interleaved_order
-from .report import BenchmarkSpec, conditions
+from .report import BenchmarkSpec
 from .server_process import CpuSampler, ServerProcess, launch, wait_ready
 from .serving_rows import check_serving, serving_table, summarize_serving
 from .serving_systems import (SERVED_SYSTEMS, ServedSystem, paged_system, reservation_system, served_model_dir,
@@ -120,7 +120,6 @@ def _stop_all(servers: Dict[str, ServerProcess]) -> Dict[str, Optional[int]]:
 def run_serving(config: ServingConfig, scratch_dir: Path) -> dict:
     """Run the guidellm sweeps; guidellm's scenarios, logs and full reports go under `scratch_dir`/guidellm."""
     threads = set_threads(config.threads)
-    start_conditions = conditions(threads=threads)
     executable = guidellm_executable()          # before any server starts: a first build takes minutes
     model_dir = served_model_dir(config.model)
     work_dir = Path(scratch_dir) / "guidellm"
@@ -152,7 +151,7 @@ def run_serving(config: ServingConfig, scratch_dir: Path) -> dict:
                   f"{time.perf_counter() - began:.0f} s", flush=True)
     finally:
         exits = _stop_all(servers)
-    return {"benchmark": "serving", "config": asdict(config), "conditions": start_conditions,
+    return {"benchmark": "serving", "config": asdict(config), "conditions": {"threads": threads},
             "guidellm": GUIDELLM_VERSION, "model_dir": str(model_dir), "requests_per_concurrency": config.requests(),
             "servers": {s.name: {"label": s.label, "argv": s.argv[1:], "force_length": s.force_length(
                 config.output_tokens)} for s in systems},

@@ -16,7 +16,7 @@ from paged_backend import LLMEngine, SamplingParams
 
 from .accounting import StepObserver
 from .engine_runs import build_engine, leaked_blocks, load_bench_model, release, set_threads
-from .report import BenchmarkSpec, conditions, format_table, percent
+from .report import BenchmarkSpec, format_table, percent
 from .translation import few_shot_prefix
 from .workloads import MAX_TOTAL_TOKENS, Trace, make_trace
 
@@ -184,7 +184,7 @@ def run_sharing(config: SharingConfig) -> dict:
             row["speedup_vs_oracle"] = oracle["wall_s"] / row["wall_s"] if row["wall_s"] else None
             row["peak_blocks_saved"] = 1 - row["peak_used_blocks"] / plain["peak_used_blocks"]
     return {"benchmark": "sharing", "config": asdict(config), "trace": branching_trace.summary(),
-            "conditions": conditions(threads=threads), "runs": rows, "paper_savings": PAPER_SAVINGS}
+            "conditions": {"threads": threads}, "runs": rows, "paper_savings": PAPER_SAVINGS}
 
 
 def sharing_table(result: dict) -> str:

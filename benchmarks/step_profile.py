@@ -1,59 +1,144 @@
 """Where the engine's own time goes in a decode step: cProfile of `LLMEngine.step` with the dry runner.
 
-`python -m paged_backend.benchmarks.step_profile [--batch 256]` brings `batch` 32-token prompts of smollm2 to
-decoding, replaces the model forward with the dry runner (fixed logits), then profiles 20 steps and prints
-the functions by own time and by cumulative time, and the unprofiled step time. What remains besides the dry
-runner's logits (`engine_runs.DryRunner.execute`) is the step outside the model forward: scheduling, block
-tables, input preparation, the sampler, detokenization and outputs.
+`paged-backend bench step-profile --documented` brings 256 32-token prompts of smollm2 to decoding, replaces the
+model forward with the dry runner (fixed logits), then profiles 20 steps and records the step's call tree four
+levels deep (milliseconds per step of each function `LLMEngine.step` calls, of what those call, and so on), the
+functions with the most time of their own, and the unprofiled step time, in
+docs/measurements/step-profile.json. What remains besides the dry runner's logits (`DryRunner.execute`) is the
+step outside the model forward: scheduling, block tables, input preparation, the sampler, detokenization and
+outputs.
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import io
 import pstats
-import sys
 import time
-from typing import Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
-from .engine_runs import DryRunner, load_bench_model
+from .engine_runs import DryRunner, load_bench_model, set_threads
 from .overhead import _prompts
+from .report import BenchmarkSpec, format_table
+
+Key = Tuple[str, int, str]
+SHOWN_SHARE = 0.02   # the table shows the calls that take at least this share of the profiled step
+KEPT_SHARE = 0.01    # the record keeps the calls below the first level that take at least this share
+DEPTH = 4
+OWN_SHOWN = 12       # the functions with the most own time the table lists
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args(argv)
-    model, tokenizer = load_bench_model("smollm2")
-    engine = LLMEngine(model, tokenizer, block_size=16, num_blocks=args.batch * 6 + 8, num_swap_blocks=0,
-                       max_num_seqs=max(256, args.batch), max_num_batched_tokens=max(2048, args.batch))
+@dataclass
+class StepProfileConfig:
+    model: str = "smollm2"
+    batch: int = 256
+    decode_steps: int = 20
+    prompt_tokens: int = 32
+    threads: Optional[int] = None
+
+
+def _name(key: Key) -> str:
+    path, line, function = key
+    return f"{path.rsplit('/', 1)[-1]}:{line}({function})"
+
+
+def _callees(stats: Dict[Key, tuple], caller: Key, steps: int) -> List[dict]:
+    """The functions `caller` called, with the milliseconds per step spent in them (their cumulative time)."""
+    found = []
+    for key, (_, _, _, _, callers) in stats.items():
+        if caller in callers:
+            calls, _, _, cumulative = callers[caller]
+            found.append({"key": key, "function": _name(key), "calls_per_step": calls / steps,
+                          "ms_per_step": cumulative / steps * 1000})
+    return sorted(found, key=lambda c: -c["ms_per_step"])
+
+
+def _tree(stats: Dict[Key, tuple], caller: Key, steps: int, depth: int, floor_ms: float) -> List[dict]:
+    """The calls under `caller`, `depth` levels deep; below the first level only those of at least `floor_ms`."""
+    calls = []
+    for call in _callees(stats, caller, steps):
+        key = call.pop("key")
+        if depth > 1:
+            call["calls"] = [c for c in _tree(stats, key, steps, depth - 1, floor_ms) if c["ms_per_step"] >= floor_ms]
+        calls.append(call)
+    return calls
+
+
+def call_tree(profile: cProfile.Profile, steps: int) -> dict:
+    """`LLMEngine.step`'s time per step and its calls `DEPTH` levels deep, from a profile of `steps` steps."""
+    stats = pstats.Stats(profile).stats
+    code = LLMEngine.step.__code__
+    root = (code.co_filename, code.co_firstlineno, code.co_name)
+    step_ms = stats[root][3] / steps * 1000
+    own = sorted(stats.items(), key=lambda item: -item[1][2])[:15]
+    return {"step_ms": step_ms, "calls": _tree(stats, root, steps, DEPTH, KEPT_SHARE * step_ms),
+            "own_time": [{"function": _name(key), "calls_per_step": nc / steps, "own_ms_per_step": tt / steps * 1000,
+                          "cumulative_ms_per_step": ct / steps * 1000} for key, (_, nc, tt, ct, _) in own]}
+
+
+def run_step_profile(config: StepProfileConfig) -> dict:
+    threads = set_threads(config.threads)
+    model, tokenizer = load_bench_model(config.model)
+    engine = LLMEngine(model, tokenizer, block_size=16, num_blocks=config.batch * 6 + 8, num_swap_blocks=0,
+                       max_num_seqs=max(256, config.batch), max_num_batched_tokens=max(2048, config.batch))
     engine.runner = DryRunner.for_engine(engine)
-    for i, prompt in enumerate(_prompts(tokenizer, args.batch, 32, 0)):
+    for i, prompt in enumerate(_prompts(tokenizer, config.batch, config.prompt_tokens, 0)):
         engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                           max_tokens=2 * args.steps + 16))
+                                                           max_tokens=2 * config.decode_steps + 16))
     for _ in range(8):  # prefill, then a few decode steps
         engine.step()
+    running = engine.get_stats().num_running
     profile = cProfile.Profile()
     profile.enable()
-    for _ in range(args.steps):
+    for _ in range(config.decode_steps):
         engine.step()
     profile.disable()
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(config.decode_steps):
         engine.step()
-    step_ms = (time.perf_counter() - start) / args.steps * 1000
-    print(f"{engine.get_stats().num_running} running sequences; {step_ms:.1f} ms per step unprofiled "
-          f"(dry runner: no forward)")
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(25)
-        print(text.getvalue())
-    return 0
+    step_ms = (time.perf_counter() - start) / config.decode_steps * 1000
+    return {"benchmark": "step-profile", "config": asdict(config), "conditions": {"threads": threads},
+            "running": running,
+            "unprofiled_step_ms": step_ms, "profile": call_tree(profile, config.decode_steps)}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def check_step_profile(result: dict) -> List[str]:
+    problems = []
+    if result["running"] != result["config"]["batch"]:
+        problems.append(f"{result['running']} sequences ran, not {result['config']['batch']}")
+    if not any(c["function"].startswith("engine_runs.py:") and c["function"].endswith("(execute)")
+               for c in result["profile"]["calls"]):
+        problems.append("the profiled step never called the dry runner")
+    return problems
+
+
+def _rows(calls: List[dict], total: float, indent: str = "") -> List[List[str]]:
+    rows = []
+    for call in calls:
+        if call["ms_per_step"] >= SHOWN_SHARE * total:
+            rows.append([indent + call["function"], f"{call['ms_per_step']:.2f}", f"{call['ms_per_step'] / total:.1%}"])
+            rows += _rows(call.get("calls", []), total, indent + "  ")
+    return rows
+
+
+def step_profile_table(result: dict) -> str:
+    profile = result["profile"]
+    total = profile["step_ms"]
+    c = result["config"]
+    tree = format_table(["called by LLMEngine.step (and what it calls)", "ms per step", "share of step"],
+                        _rows(profile["calls"], total),
+                        title=f"cProfile of {c['decode_steps']} decode steps, {result['running']} running sequences "
+                              f"of {c['model']}, dry runner (no forward): {total:.1f} ms per profiled step, "
+                              f"{result['unprofiled_step_ms']:.1f} ms unprofiled; calls of at least "
+                              f"{SHOWN_SHARE:.0%} of the step")
+    own = format_table(["function", "calls per step", "own ms per step", "with its calls, ms per step"], [
+        [f["function"], f"{f['calls_per_step']:.0f}", f"{f['own_ms_per_step']:.2f}",
+         f"{f['cumulative_ms_per_step']:.2f}"] for f in profile["own_time"][:OWN_SHOWN]], title="The functions with the most time of their own")
+    return tree + "\n\n" + own
+
+
+SPEC = BenchmarkSpec("step-profile", StepProfileConfig, run_step_profile, check_step_profile, step_profile_table, "",
+                     {"quick": {"model": "tiny-llama", "batch": 4, "decode_steps": 2}, "full": {}},
+                     documented_size="full")

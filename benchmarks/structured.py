@@ -23,7 +23,7 @@ from paged_backend.structured.params import StructuredOutputsParams
 
 from .engine_runs import leaked_blocks, load_bench_model, release, set_threads
 from .repeat import format_spread, paired_ratio, run_interleaved, spread
-from .report import BenchmarkSpec, conditions, format_table
+from .report import BenchmarkSpec, format_table
 
 SYSTEMS = ("unconstrained", "json-schema")
 READINGS = {
@@ -151,7 +151,7 @@ def run_structured(config: StructuredConfig) -> dict:
                         "accept_ms_per_step": spread([r["accept_ms_per_step"] for r in mine]),
                         "ratio": paired_ratio(rows, system, "unconstrained", "output_tokens_per_s")})
     return {"benchmark": "structured", "config": asdict(config), "schema": READINGS,
-            "conditions": conditions(threads=threads), "runs": rows, "rows": summary, "leaked_blocks": leaked}
+            "conditions": {"threads": threads}, "runs": rows, "rows": summary, "leaked_blocks": leaked}
 
 
 def structured_table(result: dict) -> str:

@@ -17,7 +17,7 @@ from .engine_runs import (SYSTEM_LABELS, build_engine, build_kv_dtype_engine, kv
 from .hf_baselines import run_hf_continuous, run_hf_static, warm_up_hf
 from .provenance import load_average
 from .repeat import run_interleaved
-from .report import BenchmarkSpec, conditions
+from .report import BenchmarkSpec
 from .throughput_rows import KV_PREFIX, check_throughput, summarize, throughput_table
 from .workloads import MAX_TOTAL_TOKENS, Trace, make_trace
 
@@ -142,7 +142,6 @@ def run_throughput(config: ThroughputConfig) -> dict:
     import torch
 
     threads = set_threads(config.threads)
-    start_conditions = conditions(threads=threads)
     model, tokenizer = load_bench_model(config.model, getattr(torch, config.dtype))
     trace = make_trace(config.workload, tokenizer, config.num_requests, config.seed, config.max_prompt_len,
                        config.max_output_len)
@@ -166,7 +165,7 @@ def run_throughput(config: ThroughputConfig) -> dict:
                                           for r in runs) else []
     return {"benchmark": "throughput", "config": asdict(config), "trace": trace.summary(),
             "context_limit": config.context_limit(), "kv_bytes": ctx.kv_bytes, "kv_mib": ctx.kv_bytes / 2**20,
-            "conditions": start_conditions, "order": [[r["repetition"], r["system"]] for r in runs],
+            "conditions": {"threads": threads}, "order": [[r["repetition"], r["system"]] for r in runs],
             "rows": summarize(runs, LABELS, trace_tokens), "runs": [{k: v for k, v in r.items() if k != "_digests"} for r in runs],
             "kv_cache_dtype_skipped": kv_skipped, "missing_stats": missing, "paper": PAPER_NOTE}
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace, set_threads
-from .report import BenchmarkSpec, conditions, format_table, percent
+from .report import BenchmarkSpec, format_table, percent
 from .workloads import make_trace
 
 # Read off the paper's Figure 2 (OPT-13B on an A100-40GB, ShareGPT, shares of KV memory in %).
@@ -81,7 +81,7 @@ def run_waste(config: WasteConfig) -> dict:
         release(engine)
     return {"benchmark": "waste", "config": asdict(config), "trace": trace.summary(),
             "forward": "model" if config.forward else "dry runner (no model forward)",
-            "conditions": conditions(threads=threads), "runs": rows, "paper_figure_2_percent": PAPER_FIGURE_2,
+            "conditions": {"threads": threads}, "runs": rows, "paper_figure_2_percent": PAPER_FIGURE_2,
             "paper_batch_note": PAPER_BATCH_NOTE}
 
 

@@ -23,18 +23,24 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64", "fp64": "float64"}
 
 
+def dtype_name(name: str) -> str:
+    """The canonical name of a dtype option (`fp32` -> `float32`); argparse reports an unknown one."""
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; use one of {sorted(set(DTYPES.values()))}")
+    return DTYPES[name]
+
+
 def parse_dtype(name: str):
     import torch
 
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; use one of {sorted(set(DTYPES.values()))}")
-    return getattr(torch, DTYPES[name])
+    return getattr(torch, dtype_name(name))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that builds an engine."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="float32", help="model dtype (float32, float16, bfloat16, float64)")
+    group.add_argument("--dtype", default="float32", type=dtype_name,
+                       help="model dtype (float32, float16, bfloat16, float64)")
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--num-blocks", type=int, default=None, help="device KV blocks (instead of --kv-cache-memory)")
@@ -68,7 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="architecture, size, attention kind per layer group and KV cache cost of a model")
     p.add_argument("model", nargs="?", default="smollm2")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", type=dtype_name)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="256MiB")
     p.set_defaults(func=_run_info)

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -31,6 +32,9 @@ from paged_backend.benchmarks.workloads import (ALPACA_MEAN_OUTPUT, ALPACA_MEAN_
                                                 iter_json_array, keep_request, make_trace, sharegpt_trace)
 from paged_backend.cli import main as cli_main
 from paged_backend.engine.metrics import EngineStats
+
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -302,16 +306,26 @@ def test_transformers_serve_is_forced_without_ignore_eos():
 
 # ---- the quick benchmarks -------------------------------------------------------------------------
 def _bench(name, tmp_path, *extra):
-    code = cli_main(["bench", name, "--quick", "--threads", "1", "--results-dir", str(tmp_path), *extra])
+    """`make bench BENCH="NAME --quick ..."`: the documented entry point, at the smoke size, with one thread."""
+    stale = subprocess.run(["make", "-q", "install"], cwd=REPO, capture_output=True, timeout=60).returncode
+    assert stale == 0, ".venv is older than the Makefile or pyproject.toml: run `make install` first"
+    bench = shlex.join([name, "--quick", "--threads", "1", "--results-dir", str(tmp_path), *extra])
+    done = subprocess.run(["make", "bench", f"BENCH={bench}", f"PYTHON={sys.executable}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / name / f"{name}.json").read_text())
-    assert (tmp_path / name / f"{name}.png").stat().st_size > 1000
-    assert code == 0, result["problems"]
+    from paged_backend.benchmarks.cli import spec_of
+    if spec_of(name).plot:
+        assert (tmp_path / name / f"{name}.png").stat().st_size > 1000
     assert result["problems"] == []
     git, machine = result["conditions"]["git"], result["conditions"]["machine"]
     assert len(git["commit"]) == 40 and isinstance(git["dirty"], bool) and machine["host_cpus"] >= 1
     assert result["conditions"]["torch_threads"] == 1 and result["size"] == "quick" and not result["documented"]
     assert "--size quick" in result["command"] and "--threads 1" in result["command"]
     assert len(machine["load_average_1_5_15"]) == 3 and len(result["conditions"]["load_average_after"]) == 3
+    assert result["conditions"]["time"] <= result["conditions"]["finished"]
+    assert set(result["conditions"]["versions"]) >= {"python", "torch", "transformers"}
     return result
 
 
@@ -364,7 +378,7 @@ def test_docs_blocks_without_a_record_say_so_and_mixed_commits_are_flagged():
     doc = "a\n<!-- generated: table serving -->\n12.5 tok/s\n<!-- end generated -->\nb\n<!-- generated: nope x -->\n" \
           "<!-- end generated -->\n"
     text, problems = render(doc, {})
-    assert "12.5" not in text and "No record of the serving benchmark" in text and text.startswith("a\n")
+    assert "12.5" not in text and "No record of serving" in text and text.startswith("a\n")
     assert problems == ["unknown generated block 'nope' 'x'"]
     records = {name: {"conditions": {"git": {"commit": c}}} for name, c in (("waste", "a" * 40), ("sharing", "b" * 40))}
     assert any("different commits" in p for p in render("", records)[1])
@@ -452,6 +466,24 @@ def test_guidellm_gets_paths_that_hold_in_its_own_working_directory(tmp_path, mo
     assert (tmp_path / "results/guidellm/r0.json").exists() and (tmp_path / "results/guidellm/r0.scenario.json").exists()
 
 
+def test_guidellm_comes_from_make_install_and_a_run_never_installs_it(tmp_path, monkeypatch):
+    """Installs belong to `make install`: guidellm's environment lives inside .venv and a benchmark run without it
+    fails naming `make install` instead of building an environment elsewhere at run time."""
+    from paged_backend.benchmarks import guidellm_env
+
+    recipe = subprocess.run(["make", "-n", "-B", "install"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert recipe.returncode == 0 and "-m paged_backend.benchmarks.guidellm_env" in recipe.stdout, recipe.stderr
+    made = guidellm_env.venv_dir()
+    assert made.parent == Path(sys.prefix) and (made / "bin" / "guidellm").is_file()   # what make install made
+    built = []
+    monkeypatch.setattr(guidellm_env, "_build", built.append)
+    monkeypatch.delenv("PAGED_BENCH_GUIDELLM", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    with pytest.raises(RuntimeError, match="make install"):
+        guidellm_env.guidellm_executable()
+    assert built == [] and list(tmp_path.iterdir()) == []
+
+
 def test_recompute_policies_count_what_each_policy_recomputes():
     from paged_backend.benchmarks.engine_runs import load_bench_model
     from paged_backend.benchmarks.recompute_policies import POLICIES, run_policy
@@ -510,11 +542,42 @@ def test_slot_use_in_closed_form_equals_counting_block_by_block():
     check()
 
 
-def test_step_profile_runs_and_names_the_engine_phases(capsys):
-    from paged_backend.benchmarks.step_profile import main as step_profile
+def test_quick_step_profile_records_the_step_call_tree(tmp_path):
+    result = _bench("step-profile", tmp_path)
+    calls = {c["function"].split("(")[-1].rstrip(")"): c for c in result["profile"]["calls"]}
+    assert {"schedule", "execute", "process"} <= set(calls), sorted(calls)    # the step's phases are there
+    assert sum(c["ms_per_step"] for c in calls.values()) <= result["profile"]["step_ms"] * 1.01
+    assert result["running"] == 4 and result["unprofiled_step_ms"] > 0
 
-    assert step_profile(["--batch", "4", "--steps", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "4 running sequences" in out and "ms per step unprofiled" in out
-    for phase in ("scheduler.py", "input_builder.py", "token_processor.py"):
-        assert phase in out, phase
+
+def test_quick_recompute_policies_study(tmp_path):
+    result = _bench("recompute-policies", tmp_path)
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert rows["default (watermark 0.01, recompute)"]["recomputed"] > 0
+    assert rows["swap (4096 host blocks beyond the budget)"]["recomputed"] == 0
+
+
+def test_quick_busy_threads_study(tmp_path):
+    result = _bench("busy-threads", tmp_path)
+    assert [(r["wait_policy"], r["system"]) for r in result["runs"]] == [("PASSIVE", "paged")]   # quick: ours only
+    assert all(r["requests"] > 0 and r["busy_cores"] > 0 for r in result["runs"])
+    for decode in result["in_process_decode_ms"].values():
+        assert 0 < decode["min"] <= decode["median"] <= decode["max"] and len(decode["values"]) == 3
+
+
+def test_a_record_takes_the_conditions_at_the_start_of_the_run_and_at_its_end(tmp_path, monkeypatch):
+    """The time and load average labelled as the start are taken before the run, not when it ends."""
+    from paged_backend.benchmarks import provenance, report
+
+    readings = iter([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [3.0, 3.0, 3.0]])
+    monkeypatch.setattr(provenance, "load_average", lambda: next(readings))
+    monkeypatch.setattr(report, "load_average", provenance.load_average)
+    seen = {}
+
+    def run():
+        seen["load"] = provenance.load_average()      # the run itself reads the second value
+        return {"conditions": {"threads": 1}}
+    result = report.run_and_report("x", run, lambda r: [], lambda r: "", None, tmp_path / "x.json", None)
+    c = result["conditions"]
+    assert c["machine"]["load_average_1_5_15"] == [1.0, 1.0, 1.0] and seen["load"] == [2.0, 2.0, 2.0]
+    assert c["load_average_after"] == [3.0, 3.0, 3.0] and c["threads"] == 1 and c["time"] <= c["finished"]

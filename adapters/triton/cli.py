@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from paged_backend import add_engine_args
+from paged_backend import EngineConfig, add_engine_args, engine_kwargs
+
+from .model_json import ModelOptions
 
 
 def add_parser(subparsers, name: str) -> None:
@@ -52,25 +54,51 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default); python: a Python-backend model with its own 1/model.py")
     p.add_argument("--instance-count", type=int, default=1, help="model instances (they share the device's memory)")
     p.add_argument("--kind", choices=("KIND_CPU", "KIND_GPU", "KIND_MODEL"), default="KIND_CPU",
-                   help="instance kind: KIND_GPU runs each instance on its own GPU")
+                   help="instance kind: KIND_GPU runs each instance on its own GPU, KIND_CPU on the host, "
+                        "KIND_MODEL where --device says (default: a GPU if there is one)")
     add_engine_args(p)
+    p.set_defaults(device=None)   # the instance kind's device unless --device is given
+
+
+# The device model.json names for each instance kind when --device is not given: Triton places KIND_GPU
+# instances on their own GPU and KIND_CPU ones on the host; KIND_MODEL leaves the choice to the model
+# ("auto": the first GPU if there is one).
+KIND_DEVICES = {"KIND_CPU": "cpu", "KIND_GPU": "cuda", "KIND_MODEL": "auto"}
+_KIND_ACCEPTS = {"KIND_CPU": ("cpu", "auto"), "KIND_GPU": ("cuda", "auto")}
+
+
+def instance_device(kind: str, device: Optional[str]) -> str:
+    """The model.json device for `--kind` and `--device`; a ValueError when the two contradict each other."""
+    if device is None or (kind in _KIND_ACCEPTS and device == "auto"):
+        return KIND_DEVICES[kind]
+    if kind in _KIND_ACCEPTS and device not in _KIND_ACCEPTS[kind]:
+        raise ValueError(f"--device {device} contradicts --kind {kind} (its instances run on "
+                         f"{KIND_DEVICES[kind]}); drop --device or use --kind KIND_MODEL")
+    return device
+
+
+def _engine_values(args: argparse.Namespace) -> Dict[str, Any]:
+    """Every engine argument the parsed options give (what `generate` and `serve` pass to the engine), as the
+    engine normalises them (sizes in bytes); the model, dtype and device are model.json keys of their own."""
+    kwargs = engine_kwargs(args)
+    for key in ("dtype", "device"):
+        kwargs.pop(key)
+    config = EngineConfig.from_kwargs(**kwargs)
+    parts = (config.cache, config.scheduler, config.parallel, config)
+    return {key: next(getattr(part, key) for part in parts if hasattr(part, key)) for key in kwargs}
 
 
 def model_options(args: argparse.Namespace) -> Dict[str, Any]:
-    """The model.json content for parsed command-line options."""
-    options: Dict[str, Any] = {
-        "model": args.model, "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
-        "num_blocks": args.num_blocks, "kv_cache_memory": args.kv_cache_memory, "swap_space": args.swap_space,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "preemption_mode": args.preemption_mode,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed,
-    }
-    return {key: value for key, value in options.items() if value is not None}
+    """The model.json content for parsed command-line options: the model, its dtype, the device of the
+    instance kind, and every engine option under model.json's (vLLM's) names."""
+    engine = {key: value for key, value in _engine_values(args).items() if value is not None}
+    options = ModelOptions(model=args.model, dtype=args.dtype, device=instance_device(args.kind, args.device),
+                           engine=engine)
+    return options.to_json()
 
 
 def _write(args: argparse.Namespace, out_dir: Path) -> Path:
-    from .repo import write_model_repository
+    from .repository import write_model_repository
 
     return write_model_repository(out_dir, args.name, model_options(args),
                                   report_metrics=not args.no_custom_metrics, layout=args.layout,
@@ -97,8 +125,14 @@ def run_backend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_names(repository: Path, default: str) -> list:
+    """The models of a repository (folders with a config.pbtxt), or `default` when none is found."""
+    names = sorted(d.name for d in repository.iterdir() if (d / "config.pbtxt").is_file())
+    return names or [default]
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    from .server import ServerConfig, TritonServer
+    from .tritonserver_process import ServerConfig, TritonServer
 
     repo_dir: Optional[tempfile.TemporaryDirectory] = None
     if args.model_repository is None:
@@ -123,19 +157,21 @@ def run_serve(args: argparse.Namespace) -> int:
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         print(f"ready: HTTP http://{server.http_url}  gRPC {server.grpc_url}"
               + ("" if args.no_metrics else f"  metrics {server.metrics_url}"), flush=True)
-        print(f"try: curl -s -X POST http://{server.http_url}/v2/models/{args.name}/generate "
+        model = _model_names(repository, args.name)[0]
+        print(f"try: curl -s -X POST http://{server.http_url}/v2/models/{model}/generate "
               f"-d '{{\"text_input\": \"The capital of France is\", \"parameters\": {{\"max_tokens\": 16, "
               f"\"temperature\": 0}}}}'", flush=True)
         while not stop["requested"] and server.is_running():
             time.sleep(0.5)
-        code = 0 if stop["requested"] else 1
         if not stop["requested"]:
             print(f"tritonserver exited unexpectedly:\n{server.log_tail()}", flush=True)
     finally:
-        server.stop()
+        server_code = server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if stop["requested"] and server_code != 0:
+            print(f"tritonserver did not stop cleanly (exit {server_code}):\n{server.log_tail()}", flush=True)
         server.cleanup()
         if repo_dir is not None:
             repo_dir.cleanup()
-    return code
+    return 0 if stop["requested"] and server_code == 0 else 1
