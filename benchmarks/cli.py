@@ -12,10 +12,11 @@ import shlex
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .provenance import REPO_ROOT, dirty_refusal, git_state, pinned_git_state
+from paged_backend.benchmarks.harness.provenance import REPO_ROOT, dirty_refusal, git_state, pinned_git_state
 
 BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")   # `all`, one commit
 STUDIES = ("recompute-policies", "busy-threads", "step-profile")   # side studies, each recorded on its own
+PAPER = ("waste", "throughput", "sharing", "serving")   # benchmarks/paper/; the others are in benchmarks/micro/
 DOCS_DIR = REPO_ROOT / "docs"
 
 
@@ -105,7 +106,9 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
 
 
 def spec_of(name: str):
-    return importlib.import_module(f"{__package__}.{name.replace('-', '_')}").SPEC
+    module = name.replace("-", "_")
+    folder = "paper" if name in PAPER else "micro"
+    return importlib.import_module(f"{__package__}.{folder}.{module}").SPEC
 
 
 def _overrides(spec, args: argparse.Namespace) -> dict:
@@ -140,7 +143,7 @@ def command_line(args: argparse.Namespace, name: str, size: str) -> str:
 
 def run_one(name: str, args: argparse.Namespace) -> List[str]:
     """Run one benchmark; returns its invariant violations."""
-    from .report import run_and_report
+    from paged_backend.benchmarks.harness.report import run_and_report
 
     spec = spec_of(name)
     size = spec.documented_size if args.documented else _size(spec, args)
@@ -173,7 +176,7 @@ def _docs_dir(args: argparse.Namespace) -> Path:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .docgen import regenerate
+    from paged_backend.benchmarks.harness.docgen import regenerate
 
     if args.benchmark == "docs":
         problems = regenerate(_docs_dir(args), plot=not args.no_plot)

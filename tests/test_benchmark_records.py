@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from paged_backend.benchmarks.cli import record_paths
-from paged_backend.benchmarks.docgen import BLOCK, load_records, render
+from paged_backend.benchmarks.harness.docgen import BLOCK, load_records, render
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGE = DOCS / "benchmarks.md"

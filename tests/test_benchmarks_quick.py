@@ -20,15 +20,15 @@ import torch
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLMEngine, SamplingParams
-from paged_backend.benchmarks.contiguous import BuddyArena, FirstFitArena
-from paged_backend.benchmarks.docgen import render
-from paged_backend.benchmarks.guidellm_run import GuidellmLoad, run_guidellm, scenario
-from paged_backend.benchmarks.provenance import GitState, dirty_refusal, git_state
-from paged_backend.benchmarks.repeat import format_spread, interleaved_order, paired_ratio, run_interleaved, spread
-from paged_backend.benchmarks.server_process import CpuSampler
-from paged_backend.benchmarks.serving_systems import paged_system, transformers_system
-from paged_backend.benchmarks.reservation import install_reservation, reservation_tokens
-from paged_backend.benchmarks.workloads import (ALPACA_MEAN_OUTPUT, ALPACA_MEAN_PROMPT, alpaca_like_trace,
+from paged_backend.benchmarks.paper.contiguous import BuddyArena, FirstFitArena
+from paged_backend.benchmarks.harness.docgen import render
+from paged_backend.benchmarks.paper.guidellm_run import GuidellmLoad, run_guidellm, scenario
+from paged_backend.benchmarks.harness.provenance import GitState, dirty_refusal, git_state
+from paged_backend.benchmarks.harness.repeat import format_spread, interleaved_order, paired_ratio, run_interleaved, spread
+from paged_backend.benchmarks.harness.server_process import CpuSampler
+from paged_backend.benchmarks.paper.serving_systems import paged_system, transformers_system
+from paged_backend.benchmarks.paper.reservation import install_reservation, reservation_tokens
+from paged_backend.benchmarks.harness.workloads import (ALPACA_MEAN_OUTPUT, ALPACA_MEAN_PROMPT, alpaca_like_trace,
                                                 iter_json_array, keep_request, make_trace, sharegpt_trace)
 from paged_backend.cli import main as cli_main
 from paged_backend.engine.metrics import EngineStats
@@ -230,9 +230,9 @@ def test_bench_all_records_every_benchmark_at_the_state_it_started_from(monkeypa
     """`make bench` writes each record into docs/img/ before the next benchmark starts; the later records must
     still say the code was the clean commit the run started from, not a dirty tree."""
     import paged_backend.benchmarks.cli as bench_cli
-    import paged_backend.benchmarks.docgen as docgen
-    from paged_backend.benchmarks import provenance
-    from paged_backend.benchmarks.report import conditions
+    import paged_backend.benchmarks.harness.docgen as docgen
+    from paged_backend.benchmarks.harness import provenance
+    from paged_backend.benchmarks.harness.report import conditions
 
     clean = GitState("c" * 40, "main", False, [])
     written = []                                  # record files the run has written so far
@@ -469,10 +469,10 @@ def test_guidellm_gets_paths_that_hold_in_its_own_working_directory(tmp_path, mo
 def test_guidellm_comes_from_make_install_and_a_run_never_installs_it(tmp_path, monkeypatch):
     """Installs belong to `make install`: guidellm's environment lives inside .venv and a benchmark run without it
     fails naming `make install` instead of building an environment elsewhere at run time."""
-    from paged_backend.benchmarks import guidellm_env
+    from paged_backend.benchmarks.paper import guidellm_env
 
     recipe = subprocess.run(["make", "-n", "-B", "install"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert recipe.returncode == 0 and "-m paged_backend.benchmarks.guidellm_env" in recipe.stdout, recipe.stderr
+    assert recipe.returncode == 0 and "-m paged_backend.benchmarks.paper.guidellm_env" in recipe.stdout, recipe.stderr
     made = guidellm_env.venv_dir()
     assert made.parent == Path(sys.prefix) and (made / "bin" / "guidellm").is_file()   # what make install made
     built = []
@@ -485,10 +485,10 @@ def test_guidellm_comes_from_make_install_and_a_run_never_installs_it(tmp_path, 
 
 
 def test_recompute_policies_count_what_each_policy_recomputes():
-    from paged_backend.benchmarks.engine_runs import load_bench_model
-    from paged_backend.benchmarks.recompute_policies import POLICIES, run_policy
-    from paged_backend.benchmarks.throughput import QUICK
-    from paged_backend.benchmarks.workloads import make_trace
+    from paged_backend.benchmarks.paper.engine_runs import load_bench_model
+    from paged_backend.benchmarks.micro.recompute_policies import POLICIES, run_policy
+    from paged_backend.benchmarks.paper.throughput import QUICK
+    from paged_backend.benchmarks.harness.workloads import make_trace
 
     size = {**QUICK, "kv_slots": 96}
     model, tokenizer = load_bench_model(size["model"])
@@ -527,7 +527,7 @@ def test_slot_use_in_closed_form_equals_counting_block_by_block():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from paged_backend.benchmarks.accounting import _slot_use
+    from paged_backend.benchmarks.paper.accounting import _slot_use
     from paged_backend.core.block_manager import HOLE
 
     assert HOLE == -1
@@ -567,7 +567,7 @@ def test_quick_busy_threads_study(tmp_path):
 
 def test_a_record_takes_the_conditions_at_the_start_of_the_run_and_at_its_end(tmp_path, monkeypatch):
     """The time and load average labelled as the start are taken before the run, not when it ends."""
-    from paged_backend.benchmarks import provenance, report
+    from paged_backend.benchmarks.harness import provenance, report
 
     readings = iter([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [3.0, 3.0, 3.0]])
     monkeypatch.setattr(provenance, "load_average", lambda: next(readings))

@@ -1,4 +1,4 @@
-"""The per-thread CPU reader behind `benchmarks/busy_threads.py`: it sees this process's threads by name and
+"""The per-thread CPU reader behind `benchmarks/micro/busy_threads.py`: it sees this process's threads by name and
 counts the CPU time a busy thread spends."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from paged_backend.benchmarks.busy_threads import thread_cpu
+from paged_backend.benchmarks.micro.busy_threads import thread_cpu
 
 
 def test_thread_cpu_sees_a_busy_thread_and_its_time():

@@ -1,11 +1,11 @@
-"""The GPU session's scripts (benchmarks/gpu_session.sh) on this CPU machine: both refuse to run without CUDA,
+"""The GPU session's scripts (benchmarks/gpu/gpu_session.sh) on this CPU machine: both refuse to run without CUDA,
 and the engine script's pressure check, pointed at the CPU, compares outputs and counts failed requests."""
 
 from __future__ import annotations
 
 import torch
 
-from paged_backend.benchmarks import gpu_engine, gpu_kernels
+from paged_backend.benchmarks.gpu import gpu_engine, gpu_kernels
 
 
 def test_both_scripts_refuse_without_cuda(monkeypatch, capsys):

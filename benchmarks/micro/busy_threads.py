@@ -20,11 +20,11 @@ from typing import Dict, List, Tuple
 
 import httpx
 
-from .engine_runs import load_bench_model, set_threads
-from .report import BenchmarkSpec, format_table
-from .server_process import start_server
-from .serving import _model_id
-from .serving_systems import paged_system, served_model_dir, transformers_system
+from paged_backend.benchmarks.paper.engine_runs import load_bench_model, set_threads
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
+from paged_backend.benchmarks.harness.server_process import start_server
+from paged_backend.benchmarks.paper.serving import _model_id
+from paged_backend.benchmarks.paper.serving_systems import paged_system, served_model_dir, transformers_system
 
 Threads = Dict[int, Tuple[str, float]]
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 from paged_backend.core.block_manager import AllocStatus, BlockManager
 from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
-from .contiguous import make_arena
+from paged_backend.benchmarks.paper.contiguous import make_arena
 
 POLICIES = ("max", "pow2", "oracle")
 

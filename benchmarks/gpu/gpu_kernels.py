@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton kernels: correctness against the reference, decode bandwidth.
 
-Run on a CUDA machine: `python -m paged_backend.benchmarks.gpu_kernels [--output docs/kernels_gpu.md]`.
+Run on a CUDA machine: `python -m paged_backend.benchmarks.gpu.gpu_kernels [--output docs/kernels_gpu.md]`.
 It (1) checks every kernel against the PyTorch reference on CUDA (dtypes, head sizes, block sizes,
 GQA, decode / prefill with context / split-KV), (2) measures the device's copy bandwidth, (3) times
 decode attention with `triton.testing.do_bench` for batch 1-256 x context 128-8192 and reports the
@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .report import conditions, conditions_line
+from paged_backend.benchmarks.harness.report import conditions, conditions_line
 
 BATCHES = (1, 4, 16, 64, 256)
 CONTEXTS = (128, 512, 2048, 8192)

@@ -1,10 +1,10 @@
 """The sampler's cost per step on the CPU: `Sampler.sample` over 64 rows of smollm2 logits (vocabulary
 49,152) for greedy, temperature-only, top-k, top-p, min-p and combined settings.
 
-`python -m paged_backend.benchmarks.sampler_cpu` computes the logits once (smollm2 over ShareGPT text, the
+`python -m paged_backend.benchmarks.micro.sampler_cpu` computes the logits once (smollm2 over ShareGPT text, the
 last positions of many prompts), then times `Sampler.sample` on a fresh copy of them per call, as the
 engine would call it, with interleaved repetitions (median and range). `--baseline FILE` also loads
-another version of `paged_backend/sampler.py` (e.g. `git show main:paged_backend/sampler.py > old.py`) and
+another version of `paged_backend/sampling/sampler.py` (e.g. `git show main:paged_backend/sampling/sampler.py > old.py`) and
 times it in the same loop, alternating with the current one, and reports the per-repetition ratio.
 """
 
@@ -24,8 +24,8 @@ from paged_backend.sampling.sampler import SampleRequest, Sampler
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.core.sequence import Sequence as Seq
 
-from .provenance import load_average
-from .report import conditions, now
+from paged_backend.benchmarks.harness.provenance import load_average
+from paged_backend.benchmarks.harness.report import conditions, now
 
 SETTINGS: Dict[str, SamplingParams] = {
     "greedy": SamplingParams(temperature=0.0),
@@ -41,7 +41,7 @@ SETTINGS: Dict[str, SamplingParams] = {
 
 def model_logits(rows: int, seed: int) -> torch.Tensor:
     """Next-token logits of smollm2 at the ends of `rows` ShareGPT text prefixes (float32)."""
-    from paged_backend.benchmarks.workloads import sharegpt_exchanges
+    from paged_backend.benchmarks.harness.workloads import sharegpt_exchanges
     from paged_backend.worker.loader import load_model
 
     model, tokenizer = load_model("smollm2", dtype=torch.float32)
@@ -61,10 +61,11 @@ def model_logits(rows: int, seed: int) -> torch.Tensor:
 
 
 def load_sampler_module(path: str):
-    """Another version of paged_backend/sampler.py, imported inside the package (for its relative imports)."""
-    spec = importlib.util.spec_from_file_location("paged_backend._baseline_sampler", path)
+    """Another version of paged_backend/sampling/sampler.py, imported inside its package (for relative imports;
+    a version from before the subpackages, paged_backend/sampler.py, imports flat modules that no longer exist)."""
+    spec = importlib.util.spec_from_file_location("paged_backend.sampling._baseline_sampler", path)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "paged_backend"
+    module.__package__ = "paged_backend.sampling"
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module

@@ -12,14 +12,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .engine_runs import set_threads
-from .guidellm_env import GUIDELLM_VERSION, guidellm_executable
-from .guidellm_run import GuidellmLoad, read_report, run_guidellm, scenario
-from .repeat import interleaved_order
-from .report import BenchmarkSpec
-from .server_process import CpuSampler, ServerProcess, launch, wait_ready
-from .serving_rows import check_serving, serving_table, summarize_serving
-from .serving_systems import (SERVED_SYSTEMS, ServedSystem, paged_system, reservation_system, served_model_dir,
+from paged_backend.benchmarks.paper.engine_runs import set_threads
+from paged_backend.benchmarks.paper.guidellm_env import GUIDELLM_VERSION, guidellm_executable
+from paged_backend.benchmarks.paper.guidellm_run import GuidellmLoad, read_report, run_guidellm, scenario
+from paged_backend.benchmarks.harness.repeat import interleaved_order
+from paged_backend.benchmarks.harness.report import BenchmarkSpec
+from paged_backend.benchmarks.harness.server_process import CpuSampler, ServerProcess, launch, wait_ready
+from paged_backend.benchmarks.paper.serving_rows import check_serving, serving_table, summarize_serving
+from paged_backend.benchmarks.paper.serving_systems import (SERVED_SYSTEMS, ServedSystem, paged_system, reservation_system, served_model_dir,
                               transformers_system)
 
 

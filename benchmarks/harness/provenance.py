@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # benchmarks/harness/provenance.py
 
 
 @dataclass

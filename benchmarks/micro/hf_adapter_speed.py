@@ -1,7 +1,7 @@
 """A batch of prompts through transformers' own `generate` and through the paged backend's drop-in
 (`paged_backend.adapters.hf.attach`) on the same model: same arguments, same outputs, wall time of each.
 
-    python benchmarks/hf_adapter_speed.py --model smollm2 --batch 32 --max-new-tokens 32
+    python benchmarks/micro/hf_adapter_speed.py --model smollm2 --batch 32 --max-new-tokens 32
 
 Prints both times, tokens per second and the ratio (transformers time / paged time; above 1 means the
 paged backend is faster), and whether the two outputs are identical. Greedy decoding, left-padded batch.

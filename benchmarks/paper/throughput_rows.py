@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .repeat import format_spread, paired_ratio, spread
-from .report import format_table, percent
+from paged_backend.benchmarks.harness.repeat import format_spread, paired_ratio, spread
+from paged_backend.benchmarks.harness.report import format_table, percent
 
 KV_PREFIX = "paged-kv-"
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .provenance import load_average, machine, recorded_git_state, versions
+from paged_backend.benchmarks.harness.provenance import load_average, machine, recorded_git_state, versions
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class BenchmarkSpec:
         return self.config_cls(**{**self.sizes[size], **overrides})
 
     def plot_function(self) -> Callable[[Dict[str, Any], Path], Any]:
-        from . import plots
+        from paged_backend.benchmarks.harness import plots
 
         return getattr(plots, self.plot)
 

@@ -19,9 +19,9 @@ import torch
 
 from paged_backend import LLMEngine, SamplingParams
 
-from .accounting import KVTally, MemoryLedger
-from .reservation import POLICIES, ReservationBlockManager, install_reservation
-from .workloads import MAX_TOTAL_TOKENS, Trace, TraceRequest
+from paged_backend.benchmarks.paper.accounting import KVTally, MemoryLedger
+from paged_backend.benchmarks.paper.reservation import POLICIES, ReservationBlockManager, install_reservation
+from paged_backend.benchmarks.harness.workloads import MAX_TOTAL_TOKENS, Trace, TraceRequest
 
 SYSTEMS = ("paged",) + POLICIES
 SYSTEM_LABELS = {"paged": "paged (ours)", "max": "reserve max len", "pow2": "reserve pow2(output)",

@@ -1,6 +1,6 @@
 """The engine end to end on a CUDA GPU (Triton kernels): fidelity, features under memory pressure, throughput.
 
-Run on a CUDA machine: `python -m paged_backend.benchmarks.gpu_engine --output DIR`. It (1) generates greedy
+Run on a CUDA machine: `python -m paged_backend.benchmarks.gpu.gpu_engine --output DIR`. It (1) generates greedy
 tokens with every tiny preset in float32 (TF32 off) and compares them with transformers' `generate` on the
 same GPU and weights, (2) runs a mixed workload (greedy, seeded n=3 sampling, beam search) on a cache small
 enough to preempt, once per preemption mode, and compares every output with the same request run alone on a
@@ -28,8 +28,8 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import kernel_backend
 from paged_backend.worker.loader import TINY_PRESETS, load_model
 
-from .provenance import load_average
-from .report import conditions, now
+from paged_backend.benchmarks.harness.provenance import load_average
+from paged_backend.benchmarks.harness.report import conditions, now
 
 DEVICE = "cuda"   # a CPU smoke run of the script sets "cpu"
 FIDELITY_PROMPT_LENS = (5, 19, 40)      # longer than the families' 8-token windows

@@ -1,7 +1,7 @@
 """Attention on the CPU, side by side: the compiled kernel (`cpp`, reads the paged cache in place) against
 the PyTorch path (`torch`, gathers each sequence's blocks padded to the longest context, then SDPA).
 
-`python -m paged_backend.benchmarks.attention_cpu` runs smollm2 steps (30 layers, 9 query / 3 KV heads,
+`python -m paged_backend.benchmarks.micro.attention_cpu` runs smollm2 steps (30 layers, 9 query / 3 KV heads,
 head size 64) over a KV cache of random contents: decode batches with contexts drawn from 100-600
 tokens and mixed steps (decode rows plus prefill chunks). Systems: `main` (the PyTorch path as it was
 before issue 17: advanced-indexing gather), `torch` (the PyTorch path now: `index_select` gather),
@@ -32,8 +32,8 @@ from paged_backend.kernels import reference
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.step_inputs import StepInputs
 
-from .provenance import load_average
-from .report import conditions, now
+from paged_backend.benchmarks.harness.provenance import load_average
+from paged_backend.benchmarks.harness.report import conditions, now
 
 BACKENDS = ("cpp", "torch")
 

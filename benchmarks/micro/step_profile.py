@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
-from .engine_runs import DryRunner, load_bench_model, set_threads
-from .overhead import _prompts
-from .report import BenchmarkSpec, format_table
+from paged_backend.benchmarks.paper.engine_runs import DryRunner, load_bench_model, set_threads
+from paged_backend.benchmarks.micro.overhead import _prompts
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
 
 Key = Tuple[str, int, str]
 SHOWN_SHARE = 0.02   # the table shows the calls that take at least this share of the profiled step

@@ -3,9 +3,9 @@
 # engine end to end on CUDA (gpu_engine). Runs where the machine's python3 already holds torch, triton and
 # transformers (nothing is installed: the package is laid out from the working tree as pyproject maps it).
 # Needs the smollm2 tokenizer (the tiny presets use it) under $PAGED_BACKEND_CACHE/v1/smollm2-tokenizer.
-# Usage: benchmarks/gpu_session.sh OUTPUT_DIR      (each part has its own time limit; GPU_PARTS="engine" runs one)
+# Usage: benchmarks/gpu/gpu_session.sh OUTPUT_DIR      (each part has its own time limit; GPU_PARTS="engine" runs one)
 set -u -o pipefail
-out=${1:?usage: benchmarks/gpu_session.sh OUTPUT_DIR}
+out=${1:?usage: benchmarks/gpu/gpu_session.sh OUTPUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 # the records name the commit of the checkout the package is copied from (the copy is not a git checkout)
@@ -22,8 +22,8 @@ python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0
 "triton", triton.__version__, "transformers", transformers.__version__)'
 status=0
 parts=" ${GPU_PARTS:-engine kernels} "
-[[ $parts == *" engine "* ]] && { timeout "${ENGINE_TIMEOUT:-270}" python3 -m paged_backend.benchmarks.gpu_engine --output "$out" 2>&1 \
+[[ $parts == *" engine "* ]] && { timeout "${ENGINE_TIMEOUT:-270}" python3 -m paged_backend.benchmarks.gpu.gpu_engine --output "$out" 2>&1 \
     | grep -v Warning | tee "$out/gpu_engine.log" || status=1; }
-[[ $parts == *" kernels "* ]] && { timeout "${KERNELS_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu_kernels \
+[[ $parts == *" kernels "* ]] && { timeout "${KERNELS_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_kernels \
     --output "$out/kernels_gpu.md" --kv-cache-dtype float8_e4m3fn 2>&1 | tee "$out/gpu_kernels.log" || status=1; }
 exit $status

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Pattern
 
-from .server_process import OUR_READY, UVICORN_READY, free_port
+from paged_backend.benchmarks.harness.server_process import OUR_READY, UVICORN_READY, free_port
 
 SERVED_SYSTEMS = ("paged", "hf-serve", "oracle")
 LABELS = {"paged": "paged-backend serve", "hf-serve": "transformers serve --continuous-batching",
@@ -94,7 +94,7 @@ def paged_system(model_dir: Path, kv_slots: int, block_size: int, max_model_len:
 
 def reservation_system(model_dir: Path, policy: str, kv_slots: int, max_model_len: Optional[int],
                        dtype: str) -> ServedSystem:
-    argv = [sys.executable, "-m", "paged_backend.benchmarks.baseline_server", str(model_dir), "--policy", policy,
+    argv = [sys.executable, "-m", "paged_backend.benchmarks.paper.baseline_server", str(model_dir), "--policy", policy,
             "--allocator", "first-fit", "--block-size", "1", "--num-blocks", str(kv_slots), "--dtype", dtype,
             *_context_limit(max_model_len)]
     return ServedSystem(policy, argv, OUR_READY, _ours_force)

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 from paged_backend.core.block_manager import HOLE
 from paged_backend.core.sequence import SequenceGroup
 
-from .reservation import ReservationBlockManager
+from paged_backend.benchmarks.paper.reservation import ReservationBlockManager
 
 
 @dataclass

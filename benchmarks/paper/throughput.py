@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .engine_runs import (SYSTEM_LABELS, build_engine, build_kv_dtype_engine, kv_cache_bytes, kv_cache_dtype_refusal,
+from paged_backend.benchmarks.paper.engine_runs import (SYSTEM_LABELS, build_engine, build_kv_dtype_engine, kv_cache_bytes, kv_cache_dtype_refusal,
                           load_bench_model, release, run_trace, set_threads, warm_up)
-from .hf_baselines import run_hf_continuous, run_hf_static, warm_up_hf
-from .provenance import load_average
-from .repeat import run_interleaved
-from .report import BenchmarkSpec
-from .throughput_rows import KV_PREFIX, check_throughput, summarize, throughput_table
-from .workloads import MAX_TOTAL_TOKENS, Trace, make_trace
+from paged_backend.benchmarks.paper.hf_baselines import run_hf_continuous, run_hf_static, warm_up_hf
+from paged_backend.benchmarks.harness.provenance import load_average
+from paged_backend.benchmarks.harness.repeat import run_interleaved
+from paged_backend.benchmarks.harness.report import BenchmarkSpec
+from paged_backend.benchmarks.paper.throughput_rows import KV_PREFIX, check_throughput, summarize, throughput_table
+from paged_backend.benchmarks.harness.workloads import MAX_TOTAL_TOKENS, Trace, make_trace
 
 ENGINE_SYSTEMS = ("paged", "oracle", "pow2", "max")
 HF_SYSTEMS = ("hf-static", "hf-continuous")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from .repeat import format_spread, paired_ratio, spread
-from .report import format_table
-from .serving_systems import LABELS
+from paged_backend.benchmarks.harness.repeat import format_spread, paired_ratio, spread
+from paged_backend.benchmarks.harness.report import format_table
+from paged_backend.benchmarks.paper.serving_systems import LABELS
 
 
 def summarize_serving(runs: List[dict], systems: Sequence[str], concurrencies: Sequence[int]) -> List[dict]:

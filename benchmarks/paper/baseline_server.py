@@ -1,4 +1,4 @@
-"""`python -m paged_backend.benchmarks.baseline_server --policy P [MODEL]`: the project's HTTP app
+"""`python -m paged_backend.benchmarks.paper.baseline_server --policy P [MODEL]`: the project's HTTP app
 (the same TGI/OpenAI routes as `paged-backend serve`) over an engine whose block manager is a
 reservation baseline, so the serving benchmark can compare both through the same front.
 
@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from paged_backend.cli import add_engine_args, engine_kwargs
 
-from .reservation import POLICIES
+from paged_backend.benchmarks.paper.reservation import POLICIES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +45,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from paged_backend.adapters.http.app import create_app
     from paged_backend.adapters.http.cli import ready_message
 
-    from .reservation import install_reservation
+    from paged_backend.benchmarks.paper.reservation import install_reservation
 
     args = _parser().parse_args(argv)
     engine = LLMEngine(args.model, **engine_kwargs(args))

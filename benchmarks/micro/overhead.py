@@ -19,9 +19,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
-from .engine_runs import leaked_blocks, load_bench_model, release, set_threads
-from .report import BenchmarkSpec, format_table, percent
-from .workloads import make_trace
+from paged_backend.benchmarks.paper.engine_runs import leaked_blocks, load_bench_model, release, set_threads
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table, percent
+from paged_backend.benchmarks.harness.workloads import make_trace
 
 PHASES = ("schedule", "block_manager", "prepare_inputs", "forward", "attention", "sampling", "bookkeeping", "other")
 PAPER_NOTE = ("the paper gives no CPU-side step breakdown; its Fig. 18a reports the PagedAttention kernel "

@@ -14,8 +14,8 @@ from typing import List
 
 import torch
 
-from .engine_runs import token_digest
-from .workloads import Trace, TraceRequest
+from paged_backend.benchmarks.paper.engine_runs import token_digest
+from paged_backend.benchmarks.harness.workloads import Trace, TraceRequest
 
 
 @dataclass

@@ -21,9 +21,9 @@ from typing import Dict, Iterator, List, Optional
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.structured.params import StructuredOutputsParams
 
-from .engine_runs import leaked_blocks, load_bench_model, release, set_threads
-from .repeat import format_spread, paired_ratio, run_interleaved, spread
-from .report import BenchmarkSpec, format_table
+from paged_backend.benchmarks.paper.engine_runs import leaked_blocks, load_bench_model, release, set_threads
+from paged_backend.benchmarks.harness.repeat import format_spread, paired_ratio, run_interleaved, spread
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
 
 SYSTEMS = ("unconstrained", "json-schema")
 READINGS = {

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace, set_threads
-from .report import BenchmarkSpec, format_table, percent
-from .workloads import make_trace
+from paged_backend.benchmarks.paper.engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace, set_threads
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table, percent
+from paged_backend.benchmarks.harness.workloads import make_trace
 
 # Read off the paper's Figure 2 (OPT-13B on an A100-40GB, ShareGPT, shares of KV memory in %).
 PAPER_FIGURE_2 = {

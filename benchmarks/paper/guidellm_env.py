@@ -1,5 +1,5 @@
 """guidellm (the vLLM project's load generator) in a virtual environment of its own inside the project's
-`.venv` (`.venv/guidellm-VERSION`), built by `make install` (`python -m paged_backend.benchmarks.guidellm_env`)
+`.venv` (`.venv/guidellm-VERSION`), built by `make install` (`python -m paged_backend.benchmarks.paper.guidellm_env`)
 and reused until `make clean`. It cannot share the project's environment: guidellm pulls numpy 2, and Triton's
 Python-backend stub needs numpy<2 (its string tensors break silently under numpy 2). The same CPU torch as ours
 is pinned there, so pip can neither upgrade it nor pull a CUDA build.
@@ -88,7 +88,7 @@ def guidellm_executable() -> Path:
     venv = venv_dir()
     if not (venv / _MARKER).exists():
         raise RuntimeError(f"guidellm is not installed in {venv}: `make install` builds it (or run `python -m "
-                           f"paged_backend.benchmarks.guidellm_env`, or set PAGED_BENCH_GUIDELLM to a guidellm)")
+                           f"paged_backend.benchmarks.paper.guidellm_env`, or set PAGED_BENCH_GUIDELLM to a guidellm)")
     return venv / "bin" / "guidellm"
 
 

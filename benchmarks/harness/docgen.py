@@ -20,14 +20,14 @@ BLOCK = re.compile(r"(<!-- generated: ([a-z]+)(?: ([a-z-]+))? -->\n)(.*?)(<!-- e
 
 def names() -> tuple:
     """The benchmarks, then the studies (each with its own record)."""
-    from .cli import BENCHMARKS, STUDIES
+    from paged_backend.benchmarks.cli import BENCHMARKS, STUDIES
 
     return BENCHMARKS + STUDIES
 
 
 def load_records(docs_dir: Path) -> Dict[str, dict]:
     """name -> recorded result, for every benchmark and study that has a record."""
-    from .cli import record_paths
+    from paged_backend.benchmarks.cli import record_paths
 
     records = {}
     for name in names():
@@ -82,7 +82,7 @@ def render_record(name: str, record: dict) -> str:
 
 
 def render_table(name: str, record: dict) -> str:
-    from .cli import spec_of
+    from paged_backend.benchmarks.cli import spec_of
 
     return "```text\n" + spec_of(name).table(record) + "\n```\n"
 
@@ -161,7 +161,7 @@ def render(text: str, records: Dict[str, dict]) -> tuple:
         return match.group(1) + body + match.group(5)
 
     out = BLOCK.sub(block, text)
-    from .cli import BENCHMARKS
+    from paged_backend.benchmarks.cli import BENCHMARKS
 
     commits = {r.get("conditions", {}).get("git", {}).get("commit") for n, r in records.items() if n in BENCHMARKS}
     if len(commits) > 1:
@@ -171,7 +171,7 @@ def render(text: str, records: Dict[str, dict]) -> tuple:
 
 def regenerate(docs_dir: Path, plot: bool = True) -> List[str]:
     """Rewrite docs/benchmarks.md's generated blocks and redraw each recorded benchmark's plot."""
-    from .cli import record_paths, spec_of
+    from paged_backend.benchmarks.cli import record_paths, spec_of
 
     records = load_records(docs_dir)
     if plot:

@@ -20,10 +20,10 @@ from typing import Dict, List, Optional
 from paged_backend.core.block_manager import AllocStatus
 from paged_backend.core.scheduler import Scheduler
 
-from .engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace, set_threads
-from .report import BenchmarkSpec, format_table
-from .throughput import ANCHOR, QUICK
-from .workloads import make_trace
+from paged_backend.benchmarks.paper.engine_runs import DryRunner, build_engine, load_bench_model, release, run_trace, set_threads
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
+from paged_backend.benchmarks.paper.throughput import ANCHOR, QUICK
+from paged_backend.benchmarks.harness.workloads import make_trace
 
 
 class ReservingScheduler(Scheduler):

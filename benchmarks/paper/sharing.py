@@ -14,11 +14,11 @@ from typing import List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
-from .accounting import StepObserver
-from .engine_runs import build_engine, leaked_blocks, load_bench_model, release, set_threads
-from .report import BenchmarkSpec, format_table, percent
-from .translation import few_shot_prefix
-from .workloads import MAX_TOTAL_TOKENS, Trace, make_trace
+from paged_backend.benchmarks.paper.accounting import StepObserver
+from paged_backend.benchmarks.paper.engine_runs import build_engine, leaked_blocks, load_bench_model, release, set_threads
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table, percent
+from paged_backend.benchmarks.paper.translation import few_shot_prefix
+from paged_backend.benchmarks.harness.workloads import MAX_TOTAL_TOKENS, Trace, make_trace
 
 # The paper's sections 6.3 (OPT-13B, memory saved by sharing) and 6.4 (shared prefix).
 PAPER_SAVINGS = {"parallel": "6.1-9.8% (Alpaca), 16.2-30.5% (ShareGPT)",
