@@ -344,8 +344,9 @@ bool sample_row(Row row, int64_t top_k, double top_p, double min_p, bool greedy,
 
 extern "C" {
 
-// Returns 0, or 1 + the first row without a finite maximum. Per draw: tokens and logprobs (x - log_norm);
-// per row: kept (the prefix length) and log_norm. top_k <= 0 or >= vocab: no top-k.
+// Returns 0, or 1 + the first row without a finite maximum (every such row gets kept = 0 and is skipped; the
+// others are drawn as usual). Per draw: tokens and logprobs (x - log_norm); per row: kept (the prefix length)
+// and log_norm. top_k <= 0 or >= vocab: no top-k.
 int64_t sample_rows(const float* logits, int64_t row_stride, int64_t num_rows, int64_t vocab, const int64_t* top_k,
                     const double* top_p, const double* min_p, const uint8_t* greedy, const double* uniforms,
                     const int64_t* draw_offsets, int64_t* tokens, double* logprobs, int64_t* kept, double* log_norm,
@@ -358,6 +359,12 @@ int64_t sample_rows(const float* logits, int64_t row_stride, int64_t num_rows, i
     const Draws draws{uniforms + draw_offsets[r], draw_offsets[r + 1] - draw_offsets[r], tokens + draw_offsets[r]};
     if (!sample_row(row, top_k[r], top_p[r], min_p[r], greedy[r] != 0, draws, kept[r], log_norm[r])) {
       failed = std::min(failed, r);
+      kept[r] = 0;   // marks the row as failed: a row that samples keeps at least one token
+      log_norm[r] = std::numeric_limits<double>::quiet_NaN();
+      for (int64_t j = 0; j < draws.count; ++j) {
+        draws.tokens[j] = 0;
+        logprobs[draw_offsets[r] + j] = std::numeric_limits<double>::quiet_NaN();
+      }
       continue;
     }
     for (int64_t j = 0; j < draws.count; ++j)

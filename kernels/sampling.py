@@ -17,8 +17,8 @@ one `topk` of bounded size and falls back to a full sort only for rows whose kep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,11 @@ class RowDraws:
     logprobs: torch.Tensor    # [N] float64
     kept: torch.Tensor        # [R] int64
     log_norm: torch.Tensor    # [R] float64
+    failed_rows: List[int] = field(default_factory=list)  # rows without a finite maximum (allow_failed_rows)
+
+
+def no_finite_maximum(row: int) -> ValueError:
+    return ValueError(f"logits row {row} has no finite maximum (all -inf, +inf or NaN): nothing to sample")
 
 
 def check_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -51,14 +56,10 @@ def check_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m
         raise ValueError(f"draw_offsets ends at {int(draw_offsets[-1])}, there are {uniforms.shape[0]} uniforms")
 
 
-def _row_maxima(logits: torch.Tensor) -> torch.Tensor:
-    """Row maxima; ValueError naming the first row that has no finite maximum."""
+def _row_maxima(logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Row maxima, and which rows have no finite maximum (all -inf, a +inf or a NaN)."""
     maxima = logits.amax(-1) if logits.shape[1] else logits.new_full((logits.shape[0],), float("-inf"))
-    bad = ~torch.isfinite(maxima) | logits.isnan().any(-1)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"logits row {row} has no finite maximum (all -inf, +inf or NaN): nothing to sample")
-    return maxima
+    return maxima, ~torch.isfinite(maxima) | logits.isnan().any(-1)
 
 
 def _kept_prefix(values: torch.Tensor, maxima: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -100,14 +101,22 @@ def kept_prefixes(logits: torch.Tensor, maxima: torch.Tensor, top_k: torch.Tenso
 
 
 def sample_rows_torch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                      greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor) -> RowDraws:
+                      greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor,
+                      allow_failed_rows: bool = False) -> RowDraws:
     """The PyTorch implementation (any device). `top_k` <= 0 or >= vocab means no top-k."""
     check_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets)
     rows, vocab = logits.shape
     device = logits.device
     top_k, top_p, min_p, greedy = top_k.to(device), top_p.to(device), min_p.to(device), greedy.to(device)
     uniforms, draw_offsets = uniforms.to(device, torch.float64), draw_offsets.to(device)
-    maxima = _row_maxima(logits)
+    maxima, bad = _row_maxima(logits)
+    failed_rows: List[int] = []
+    if bool(bad.any()):
+        failed_rows = bad.nonzero().flatten().tolist()
+        if not allow_failed_rows:
+            raise no_finite_maximum(failed_rows[0])
+        logits = logits.masked_fill(bad[:, None], 0.0)   # a copy: the failed rows are drawn from, then ignored
+        maxima = maxima.masked_fill(bad, 0.0)
     top_k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
     truncated = ~greedy & ((top_k < vocab) | (top_p < 1.0) | (min_p > 0.0))
     kept = torch.full((rows,), vocab, dtype=torch.long, device=device)
@@ -121,7 +130,7 @@ def sample_rows_torch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     if bool(greedy_draws.any()):
         tokens[greedy_draws] = logits.argmax(-1)[row_of_draw[greedy_draws]]
     logprobs = logits[row_of_draw, tokens].double() - log_norm[row_of_draw]
-    return RowDraws(tokens, logprobs, kept, log_norm)
+    return RowDraws(tokens, logprobs, kept, log_norm, failed_rows)
 
 
 def kept_mask(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -169,11 +178,14 @@ def _draw(logits: torch.Tensor, maxima: torch.Tensor, kept: torch.Tensor, unifor
 
 
 def sample_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor) -> RowDraws:
+                greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor,
+                allow_failed_rows: bool = False) -> RowDraws:
     """Draws for every row: the compiled kernel for CPU logits when it builds (PAGED_BACKEND_KERNELS=torch
-    forces the PyTorch version), the PyTorch version otherwise."""
+    forces the PyTorch version), the PyTorch version otherwise. A row without a finite maximum is a
+    ValueError naming it, or with `allow_failed_rows` is listed in `failed_rows` (its draws are meaningless)
+    while the other rows are drawn exactly as without it."""
     from . import cpu_sampling, kernel_backend
 
     if logits.device.type == "cpu" and kernel_backend(logits) == "cpp" and cpu_sampling.available():
-        return cpu_sampling.sample_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets)
-    return sample_rows_torch(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets)
+        return cpu_sampling.sample_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets, allow_failed_rows)
+    return sample_rows_torch(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets, allow_failed_rows)
