@@ -2,13 +2,15 @@
 sampling with given uniforms, without sorting the whole vocabulary.
 
 Semantics (those of the engine's sampler, Hugging Face's order): on a row `x` (penalties and temperature
-already applied) top-k keeps the k largest logits; top-p then keeps, in descending order, each token whose
+already applied) top-k keeps every logit >= the k-th largest (the ties with it too, as transformers'
+`TopKLogitsWarper` and vLLM do); top-p then keeps, in descending order, each token whose
 higher-ranked tokens hold less than `top_p` of the remaining probability; min-p then keeps the tokens with
 `p >= min_p * p_max`. All three keep a prefix of the descending order, so a row's result is described by
 `kept` (the prefix length) and `log_norm` (`max + log(sum of exp(x - max) over the kept tokens)`): a kept
 token's log-probability is `x - log_norm`. A draw with uniform `u` takes the kept token, in token-id order,
-at which the cumulative probability first exceeds `u` (float64 accumulation). Greedy rows take the first
-maximum and keep the whole row (their log-probabilities are those of the full softmax).
+at which the cumulative probability first exceeds `u` (float64 accumulation); a token of probability 0 (a
+masked, -inf logit) is never drawn, whatever rounding does near u = 1 or a block's end. Greedy rows take the
+first maximum and keep the whole row (their log-probabilities are those of the full softmax).
 
 `sample_rows` runs the compiled CPU kernel (kernels/cpu_sampler.cpp) on CPU tensors when it builds, and
 `sample_rows_torch` otherwise (CUDA tensors, or no compiler): the torch version takes the candidates from
@@ -117,7 +119,7 @@ def sample_rows_torch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
             raise no_finite_maximum(failed_rows[0])
         logits = logits.masked_fill(bad[:, None], 0.0)   # a copy: the failed rows are drawn from, then ignored
         maxima = maxima.masked_fill(bad, 0.0)
-    top_k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+    top_k = with_ties(logits, torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k))
     truncated = ~greedy & ((top_k < vocab) | (top_p < 1.0) | (min_p > 0.0))
     kept = torch.full((rows,), vocab, dtype=torch.long, device=device)
     index = truncated.nonzero().flatten()
@@ -131,6 +133,20 @@ def sample_rows_torch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         tokens[greedy_draws] = logits.argmax(-1)[row_of_draw[greedy_draws]]
     logprobs = logits[row_of_draw, tokens].double() - log_norm[row_of_draw]
     return RowDraws(tokens, logprobs, kept, log_norm, failed_rows)
+
+
+def with_ties(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Each row's top-k widened to every logit >= its k-th largest (transformers' TopKLogitsWarper and vLLM keep
+    the ties): the count of such logits, the whole row when the k-th value is -inf."""
+    vocab = logits.shape[1]
+    rows = (top_k < vocab).nonzero().flatten()
+    if not rows.numel():
+        return top_k
+    width = int(top_k[rows].max())
+    kth = logits[rows].topk(width, dim=-1).values.gather(1, (top_k[rows] - 1)[:, None])
+    widened = top_k.clone()
+    widened[rows] = (logits[rows] >= kth).sum(-1)
+    return widened
 
 
 def kept_mask(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
