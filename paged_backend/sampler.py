@@ -2,8 +2,10 @@
 
 Order of processing follows Hugging Face's logits processors: penalties and min-tokens masking,
 then temperature, top-k, top-p, min-p. Logits are handled in float32 (as transformers' `generate`
-does), so greedy and beam decisions match it. Rows with a `seed` draw from their own generator, so a
-seeded request gives the same tokens whatever else shares the batch.
+does), so greedy and beam decisions match it. Rows with a `seed` draw from their own generator, so given
+its logits a seeded row's draws do not depend on the rest of the batch. Every stage treats rows
+independently: a row that fails (a processor raises, nothing finite is left) is reported, not raised, and
+the other rows come out exactly as they would without it.
 
 Truncation and the draws are `kernels.sample_rows` (see kernels/sampling.py): no row is sorted, the
 draw's cumulative sum covers only the kept tokens, and a greedy row costs its argmax and one
