@@ -189,7 +189,16 @@ std::vector<Candidate> top_k_candidates(const Row& row, int64_t k) {
   std::sort(picked.begin(), picked.end(), ranks_before);
   const Candidate kth = picked.back();   // the k best hold the lowest ids among the ties with the k-th value
   if (kth.value == -std::numeric_limits<float>::infinity()) return {};   // every token ties: none is cut
-  for (int64_t i = kth.id + 1; i < row.vocab; ++i)
+  constexpr int64_t L = Vector<float>::lanes;   // the ties after it, skipping whole vectors that hold none
+  int64_t i = kth.id + 1;
+  for (; i % L != 0 && i < row.vocab; ++i)
+    if (row.x[i] == kth.value) picked.push_back({row.x[i], i});
+  for (; i + L <= row.vocab; i += L) {
+    if (!any_lane(load(row.x + i) == kth.value)) continue;
+    for (int64_t j = i; j < i + L; ++j)
+      if (row.x[j] == kth.value) picked.push_back({row.x[j], j});
+  }
+  for (; i < row.vocab; ++i)
     if (row.x[i] == kth.value) picked.push_back({row.x[i], i});
   return picked;
 }

@@ -12,56 +12,16 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from conftest import assert_no_leaks, get_model
+from hf_grammar import hf_real_hypotheses
 from paged_backend import LLMEngine, SamplingParams
-from paged_backend.structured_matcher import GrammarState
 
 EOS = 2
 SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                           "maximum": 9}},
          "required": ["ok", "n"]}
-# A real hypothesis of transformers scores above this; its placeholder beams carry -1e9 (or -inf) in their score.
-PLACEHOLDER = -1.0e6
-
-
-class GrammarMask(LogitsProcessor):
-    """transformers' side of the comparison: each beam's allowed tokens from a fresh matcher that replays its
-    generated tokens; a beam the grammar refuses (or that already ended with EOS) allows nothing."""
-
-    def __init__(self, state: GrammarState, prompt_len: int) -> None:
-        self.constraint = state.constraint
-        self.prompt_len = prompt_len
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        mask = torch.full_like(scores, float("-inf"))
-        for row, ids in enumerate(input_ids[:, self.prompt_len:].tolist()):
-            state = GrammarState(self.constraint)
-            try:
-                state.rebuild(ids)
-                allowed = state.allowed_token_ids()
-            except ValueError:  # a placeholder beam: its tokens left the grammar, or it is terminated
-                continue
-            mask[row, allowed] = 0.0
-        return scores + mask
-
-
-def hf_real_hypotheses(model, prompt_ids, params, state):
-    """transformers' finished hypotheses with the grammar mask, placeholders left out: (tokens, score) pairs."""
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=params.beam_width,
-                         num_return_sequences=params.n, do_sample=False, length_penalty=params.length_penalty,
-                         early_stopping=params.early_stopping, max_new_tokens=params.max_tokens,
-                         eos_token_id=EOS, pad_token_id=EOS, output_scores=True, return_dict_in_generate=True,
-                         logits_processor=LogitsProcessorList([GrammarMask(state, len(prompt_ids))]))
-    real = []
-    for row, score in zip(out.sequences[:, len(prompt_ids):].tolist(), out.sequences_scores.tolist()):
-        if score > PLACEHOLDER:
-            real.append((row[: row.index(EOS) + 1] if EOS in row else row, score))
-    return real
 
 
 TINY_CASES = [  # (prompt, constraint, beam_width, early_stopping, length_penalty)
@@ -95,7 +55,7 @@ def test_structured_beams_match_transformers_with_the_same_mask(dtype):
     for rid, (prompt_ids, params) in requests.items():
         out = finals[rid]
         assert out.error is None, (rid, out.error)
-        want = hf_real_hypotheses(model, prompt_ids, params, engine.intake.grammar(params))
+        want = hf_real_hypotheses(model, prompt_ids, params, engine.intake.grammar(params), EOS)
         padded += len(want) < params.n
         got = [(c.token_ids, c.beam_score) for c in out.outputs]
         assert [t for t, _ in got] == [t for t, _ in want], (rid, TINY_CASES[int(rid)])
