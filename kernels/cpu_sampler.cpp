@@ -5,11 +5,11 @@
 // No row is fully sorted unless the exact fallback needs it. A row costs a few vectorised passes: its
 // maximum; exp(x - max) summed in chunks; compare passes that skip whole vectors below a threshold and
 // collect the candidates, which alone are sorted. Top-k: the k largest by a bounded heap (nth_element for
-// large k), plus the tokens tied with the k-th largest. Top-p without top-k: the logits within 4, 8, .. 24 binary orders of magnitude of the
-// maximum's probability, the first of these sets whose mass reaches top_p (every token if none does, or if
-// rounding left the nucleus walk short). Min-p: a threshold on x - max. Draws accumulate the kept tokens'
-// probabilities in token-id order in float64; an untruncated row skips whole chunks by their sums and
-// scans one chunk per draw.
+// large k), plus the tokens tied with the k-th largest. Top-p without top-k: the logits within 4, 8, .. 24
+// binary orders of magnitude of the maximum's probability, the first of these sets whose mass reaches top_p
+// (every token if none does, or if rounding left the nucleus walk short). Min-p: a threshold on x - max.
+// Draws accumulate the kept tokens' probabilities in token-id order in float64; an untruncated row skips
+// whole chunks by their sums and scans one chunk per draw. A token of probability 0 is never drawn.
 
 #include <algorithm>
 #include <cmath>

@@ -119,7 +119,8 @@ def sample_rows_torch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
             raise no_finite_maximum(failed_rows[0])
         logits = logits.masked_fill(bad[:, None], 0.0)   # a copy: the failed rows are drawn from, then ignored
         maxima = maxima.masked_fill(bad, 0.0)
-    top_k = with_ties(logits, torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k))
+    top_k = torch.where((top_k <= 0) | (top_k > vocab) | greedy, torch.full_like(top_k, vocab), top_k)
+    top_k = with_ties(logits, top_k)
     truncated = ~greedy & ((top_k < vocab) | (top_p < 1.0) | (min_p > 0.0))
     kept = torch.full((rows,), vocab, dtype=torch.long, device=device)
     index = truncated.nonzero().flatten()

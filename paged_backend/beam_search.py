@@ -8,9 +8,11 @@ so hypotheses and scores match it exactly. The engine maps the decisions onto fo
 
 Where a grammar (or a processor) leaves fewer allowed continuations than the beams need, transformers fills
 the live beams with placeholders: candidates whose score is -inf, and candidates that just ended, continued
-at a score 1e9 lower. They never outrank a real beam or hypothesis, so they change nothing but the padding
-of its output; here they are dropped instead (fewer beams live on, the search ends when none is left, and
-fewer than `n` hypotheses are returned when fewer exist).
+at a score 1e9 lower. They never outrank a real beam or hypothesis, so its real hypotheses come out the same;
+here they are dropped instead (fewer beams live on, the search ends when none is left, and fewer than `n`
+hypotheses are returned when fewer exist, where transformers pads its `n` rows with placeholders). One
+difference remains possible in principle: with `early_stopping=True` transformers counts a placeholder that
+reaches EOS among its `k` finished hypotheses and may stop while a real beam still runs.
 """
 
 from __future__ import annotations

@@ -203,7 +203,8 @@ class Sampler:
             uniforms[int(offsets[i]):int(offsets[i + 1])] = u
         return uniforms, offsets
 
-    def beam_log_probs(self, logits: torch.Tensor, requests: List[SampleRequest]) -> Tuple[torch.Tensor, Dict[int, str]]:
+    def beam_log_probs(self, logits: torch.Tensor,
+                       requests: List[SampleRequest]) -> Tuple[torch.Tensor, Dict[int, str]]:
         """HF beam search scores: log-softmax first, then the processors applied to the log-probs. Also the rows
         that failed (row -> what went wrong), as `apply_penalties` reports them."""
         log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)

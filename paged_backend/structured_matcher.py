@@ -121,7 +121,8 @@ class GrammarMasker:
         self._batch.batch_fill_next_token_bitmask([s._matcher for s in states], bitmask, row_list)
         _apply_bitmask(logits, bitmask, row_list, self.vocab_size)
 
-    def apply_isolated(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> Dict[int, str]:
+    def apply_isolated(self, logits: torch.Tensor, rows: Sequence[int],
+                       states: Sequence[GrammarState]) -> Dict[int, str]:
         """`apply`, except that a row whose grammar cannot give a mask (it is terminated, or the matcher fails)
         fails alone: returns those rows (row -> what went wrong), the others are masked. Filling a mask does
         not change a matcher, so rows are retried one by one only after the batched call failed."""

@@ -174,9 +174,10 @@ def test_a_masked_token_is_never_drawn(impl):
     row_of_draw = torch.repeat_interleave(torch.arange(rows), counts)
     for top_k, top_p, min_p in [(-1, 1.0, 0.0), (4000, 1.0, 0.0), (50, 1.0, 0.0), (-1, 0.999999, 0.0),
                                 (-1, 0.9, 0.0), (-1, 1.0, 1e-12), (3000, 0.99, 1e-9)]:
-        out = IMPLEMENTATIONS[impl](logits, torch.full((rows,), top_k), torch.full((rows,), top_p, dtype=torch.float64),
-                                    torch.full((rows,), min_p, dtype=torch.float64), torch.zeros(rows, dtype=torch.bool),
-                                    torch.cat(uniforms), offsets)
+        out = IMPLEMENTATIONS[impl](logits, torch.full((rows,), top_k),
+                                    torch.full((rows,), top_p, dtype=torch.float64),
+                                    torch.full((rows,), min_p, dtype=torch.float64),
+                                    torch.zeros(rows, dtype=torch.bool), torch.cat(uniforms), offsets)
         drawn = logits[row_of_draw, out.tokens]
         masked = (~torch.isfinite(drawn)).nonzero().flatten()
         assert not masked.numel(), (f"top_k={top_k} top_p={top_p} min_p={min_p}: {masked.numel()} of {len(drawn)} "
