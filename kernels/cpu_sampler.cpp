@@ -5,11 +5,11 @@
 // No row is fully sorted unless the exact fallback needs it. A row costs a few vectorised passes: its
 // maximum; exp(x - max) summed in chunks; compare passes that skip whole vectors below a threshold and
 // collect the candidates, which alone are sorted. Top-k: the k largest by a bounded heap (nth_element for
-// large k). Top-p without top-k: the logits within 4, 8, .. 24 binary orders of magnitude of the
-// maximum's probability, the first of these sets whose mass reaches top_p (every token if none does, or if
-// rounding left the nucleus walk short). Min-p: a threshold on x - max. Draws accumulate the kept tokens'
-// probabilities in token-id order in float64; an untruncated row skips whole chunks by their sums and
-// scans one chunk per draw.
+// large k), plus the tokens tied with the k-th largest. Top-p without top-k: the logits within 4, 8, .. 24
+// binary orders of magnitude of the maximum's probability, the first of these sets whose mass reaches top_p
+// (every token if none does, or if rounding left the nucleus walk short). Min-p: a threshold on x - max.
+// Draws accumulate the kept tokens' probabilities in token-id order in float64; an untruncated row skips
+// whole chunks by their sums and scans one chunk per draw. A token of probability 0 is never drawn.
 
 #include <algorithm>
 #include <cmath>
@@ -154,6 +154,9 @@ std::vector<Candidate> collect(const Row& row, float cut) {
   return picked;
 }
 
+// The k best tokens by (value descending, id ascending), then every later token tied with the k-th value:
+// top-k keeps all logits >= the k-th largest, as transformers' TopKLogitsWarper and vLLM do. Empty when the
+// k-th value is -inf (top-k then removes nothing).
 std::vector<Candidate> top_k_candidates(const Row& row, int64_t k) {
   std::vector<Candidate> picked;
   picked.reserve(k);
@@ -184,6 +187,19 @@ std::vector<Candidate> top_k_candidates(const Row& row, int64_t k) {
     }
   }
   std::sort(picked.begin(), picked.end(), ranks_before);
+  const Candidate kth = picked.back();   // the k best hold the lowest ids among the ties with the k-th value
+  if (kth.value == -std::numeric_limits<float>::infinity()) return {};   // every token ties: none is cut
+  constexpr int64_t L = Vector<float>::lanes;   // the ties after it, skipping whole vectors that hold none
+  int64_t i = kth.id + 1;
+  for (; i % L != 0 && i < row.vocab; ++i)
+    if (row.x[i] == kth.value) picked.push_back({row.x[i], i});
+  for (; i + L <= row.vocab; i += L) {
+    if (!any_lane(load(row.x + i) == kth.value)) continue;
+    for (int64_t j = i; j < i + L; ++j)
+      if (row.x[j] == kth.value) picked.push_back({row.x[j], j});
+  }
+  for (; i < row.vocab; ++i)
+    if (row.x[i] == kth.value) picked.push_back({row.x[i], i});
   return picked;
 }
 
@@ -225,41 +241,51 @@ struct Draws {
 };
 
 // Draws from the first `kept` entries of `sorted`, in token-id order; returns log(sum of their exp(x - max)).
+// A draw lands where the cumulative sum first exceeds the target, so on a token of positive probability; a
+// target at or past the total (a uniform of 1) takes the last such token, never a masked (-inf) one.
 double draw_from_prefix(std::vector<Candidate>& sorted, int64_t kept, const Row& row, const Draws& draws) {
   std::sort(sorted.begin(), sorted.begin() + kept, [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
   std::vector<double> cdf(kept);
   double total = 0;
+  int64_t last_drawable = 0;
   for (int64_t i = 0; i < kept; ++i) {
-    total += std::exp(double(sorted[i].value) - double(row.max));
+    const double e = std::exp(double(sorted[i].value) - double(row.max));
+    if (e > 0) last_drawable = i;
+    total += e;
     cdf[i] = total;
   }
   for (int64_t j = 0; j < draws.count; ++j) {
     const int64_t at = std::upper_bound(cdf.begin(), cdf.end(), draws.uniforms[j] * total) - cdf.begin();
-    draws.tokens[j] = sorted[std::min(at, kept - 1)].id;
+    draws.tokens[j] = sorted[std::min(at, last_drawable)].id;
   }
   return std::log(total);
 }
 
-// Draws from the whole row: skip chunks by their sums, scan the chunk that holds the target.
+// Draws from the whole row: skip chunks by their (float) sums, scan the chunk that holds the target in float64.
+// The two sums round differently, so the scan can end without passing the target: it then takes the chunk's
+// last token of positive probability. Chunks after the last one with any mass are never chosen, so a masked
+// token (exp = 0) is never drawn.
 void draw_from_row(const Row& row, const std::vector<double>& chunk_sums, double total, const Draws& draws) {
   float e[kChunk];
+  int64_t last_chunk = int64_t(chunk_sums.size()) - 1;
+  while (last_chunk > 0 && !(chunk_sums[last_chunk] > 0)) --last_chunk;
   for (int64_t j = 0; j < draws.count; ++j) {
     const double target = draws.uniforms[j] * total;
     double cumulative = 0;
     int64_t chunk = 0;
-    const int64_t chunks = int64_t(chunk_sums.size());
-    while (chunk < chunks - 1 && cumulative + chunk_sums[chunk] <= target) cumulative += chunk_sums[chunk++];
+    while (chunk < last_chunk && cumulative + chunk_sums[chunk] <= target) cumulative += chunk_sums[chunk++];
     const int64_t start = chunk * kChunk, n = std::min(kChunk, row.vocab - start);
     chunk_exp(row, start, n, e);
-    int64_t token = start + n - 1;
+    int64_t token = -1, last_drawable = start;
     for (int64_t i = 0; i < n; ++i) {
+      if (e[i] > 0) last_drawable = start + i;
       cumulative += e[i];
       if (cumulative > target) {
         token = start + i;
         break;
       }
     }
-    draws.tokens[j] = token;
+    draws.tokens[j] = token >= 0 ? token : last_drawable;
   }
 }
 
@@ -299,7 +325,13 @@ std::vector<Candidate> nucleus_candidates(const Row& row, const double* level_ma
 bool sample_row(Row row, int64_t top_k, double top_p, double min_p, bool greedy, const Draws& draws, int64_t& kept,
                 double& log_norm) {
   if (!row_max(row.x, row.vocab, row.max)) return false;
-  const int64_t k = (top_k <= 0 || top_k >= row.vocab) ? row.vocab : top_k;
+  int64_t k = (top_k <= 0 || top_k >= row.vocab) ? row.vocab : top_k;
+  std::vector<Candidate> sorted;
+  if (k < row.vocab && !greedy) {
+    sorted = top_k_candidates(row, k);
+    k = sorted.empty() ? row.vocab : int64_t(sorted.size());   // the ties with the k-th value are kept too
+    if (k == row.vocab) sorted.clear();
+  }
   if (greedy || (k == row.vocab && top_p >= 1.0 && min_p <= 0.0)) {
     std::vector<double> chunk_sums;
     const double total = exp_sum(row, greedy ? nullptr : &chunk_sums);
@@ -313,11 +345,9 @@ bool sample_row(Row row, int64_t top_k, double top_p, double min_p, bool greedy,
     }
     return true;
   }
-  std::vector<Candidate> sorted;
   double total = 0, level_mass[kNumLevels] = {};
   float sure_cut = std::numeric_limits<float>::infinity(), cut = 0;
   if (k < row.vocab) {
-    sorted = top_k_candidates(row, k);
     total = mass_of(sorted, row);
   } else if (top_p < 1.0) {
     const double estimate = exp_sum(row, nullptr, level_mass);
@@ -344,8 +374,9 @@ bool sample_row(Row row, int64_t top_k, double top_p, double min_p, bool greedy,
 
 extern "C" {
 
-// Returns 0, or 1 + the first row without a finite maximum. Per draw: tokens and logprobs (x - log_norm);
-// per row: kept (the prefix length) and log_norm. top_k <= 0 or >= vocab: no top-k.
+// Returns 0, or 1 + the first row without a finite maximum (every such row gets kept = 0 and is skipped; the
+// others are drawn as usual). Per draw: tokens and logprobs (x - log_norm); per row: kept (the prefix length)
+// and log_norm. top_k <= 0 or >= vocab: no top-k.
 int64_t sample_rows(const float* logits, int64_t row_stride, int64_t num_rows, int64_t vocab, const int64_t* top_k,
                     const double* top_p, const double* min_p, const uint8_t* greedy, const double* uniforms,
                     const int64_t* draw_offsets, int64_t* tokens, double* logprobs, int64_t* kept, double* log_norm,
@@ -358,6 +389,12 @@ int64_t sample_rows(const float* logits, int64_t row_stride, int64_t num_rows, i
     const Draws draws{uniforms + draw_offsets[r], draw_offsets[r + 1] - draw_offsets[r], tokens + draw_offsets[r]};
     if (!sample_row(row, top_k[r], top_p[r], min_p[r], greedy[r] != 0, draws, kept[r], log_norm[r])) {
       failed = std::min(failed, r);
+      kept[r] = 0;   // marks the row as failed: a row that samples keeps at least one token
+      log_norm[r] = std::numeric_limits<double>::quiet_NaN();
+      for (int64_t j = 0; j < draws.count; ++j) {
+        draws.tokens[j] = 0;
+        logprobs[draw_offsets[r] + j] = std::numeric_limits<double>::quiet_NaN();
+      }
       continue;
     }
     for (int64_t j = 0; j < draws.count; ++j)

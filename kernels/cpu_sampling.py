@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .cpu_build import build_error, load_library
-from .sampling import RowDraws, check_rows
+from .sampling import RowDraws, check_rows, no_finite_maximum
 
 
 def available() -> bool:
@@ -14,8 +14,10 @@ def available() -> bool:
 
 
 def sample_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor) -> RowDraws:
-    """See kernels/sampling.py; ValueError naming the first row with no finite maximum."""
+                greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor,
+                allow_failed_rows: bool = False) -> RowDraws:
+    """See kernels/sampling.py; ValueError naming the first row with no finite maximum (unless
+    `allow_failed_rows`: then such rows are listed in `failed_rows`, the kernel having skipped them)."""
     library = load_library("cpu_sampler")
     if library is None:
         raise RuntimeError(f"the CPU sampling kernel is not available: {build_error('cpu_sampler')}")
@@ -40,7 +42,8 @@ def sample_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
                                      top_p.data_ptr(), min_p.data_ptr(), greedy.data_ptr(), uniforms.data_ptr(),
                                      draw_offsets.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), kept.data_ptr(),
                                      log_norm.data_ptr(), torch.get_num_threads())
-        if status:
-            raise ValueError(f"logits row {status - 1} has no finite maximum (all -inf, +inf or NaN): "
-                             f"nothing to sample")
+        if status and not allow_failed_rows:
+            raise no_finite_maximum(status - 1)
+        if status:   # the kernel marks each failed row with kept = 0 (a row that samples keeps at least one token)
+            return RowDraws(tokens, logprobs, kept, log_norm, (kept == 0).nonzero().flatten().tolist())
     return RowDraws(tokens, logprobs, kept, log_norm)

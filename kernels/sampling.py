@@ -2,13 +2,15 @@
 sampling with given uniforms, without sorting the whole vocabulary.
 
 Semantics (those of the engine's sampler, Hugging Face's order): on a row `x` (penalties and temperature
-already applied) top-k keeps the k largest logits; top-p then keeps, in descending order, each token whose
+already applied) top-k keeps every logit >= the k-th largest (the ties with it too, as transformers'
+`TopKLogitsWarper` and vLLM do); top-p then keeps, in descending order, each token whose
 higher-ranked tokens hold less than `top_p` of the remaining probability; min-p then keeps the tokens with
 `p >= min_p * p_max`. All three keep a prefix of the descending order, so a row's result is described by
 `kept` (the prefix length) and `log_norm` (`max + log(sum of exp(x - max) over the kept tokens)`): a kept
 token's log-probability is `x - log_norm`. A draw with uniform `u` takes the kept token, in token-id order,
-at which the cumulative probability first exceeds `u` (float64 accumulation). Greedy rows take the first
-maximum and keep the whole row (their log-probabilities are those of the full softmax).
+at which the cumulative probability first exceeds `u` (float64 accumulation); a token of probability 0 (a
+masked, -inf logit) is never drawn, whatever rounding does near u = 1 or a block's end. Greedy rows take the
+first maximum and keep the whole row (their log-probabilities are those of the full softmax).
 
 `sample_rows` runs the compiled CPU kernel (kernels/cpu_sampler.cpp) on CPU tensors when it builds, and
 `sample_rows_torch` otherwise (CUDA tensors, or no compiler): the torch version takes the candidates from
@@ -17,8 +19,8 @@ one `topk` of bounded size and falls back to a full sort only for rows whose kep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -34,6 +36,11 @@ class RowDraws:
     logprobs: torch.Tensor    # [N] float64
     kept: torch.Tensor        # [R] int64
     log_norm: torch.Tensor    # [R] float64
+    failed_rows: List[int] = field(default_factory=list)  # rows without a finite maximum (allow_failed_rows)
+
+
+def no_finite_maximum(row: int) -> ValueError:
+    return ValueError(f"logits row {row} has no finite maximum (all -inf, +inf or NaN): nothing to sample")
 
 
 def check_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -51,14 +58,10 @@ def check_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, m
         raise ValueError(f"draw_offsets ends at {int(draw_offsets[-1])}, there are {uniforms.shape[0]} uniforms")
 
 
-def _row_maxima(logits: torch.Tensor) -> torch.Tensor:
-    """Row maxima; ValueError naming the first row that has no finite maximum."""
+def _row_maxima(logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Row maxima, and which rows have no finite maximum (all -inf, a +inf or a NaN)."""
     maxima = logits.amax(-1) if logits.shape[1] else logits.new_full((logits.shape[0],), float("-inf"))
-    bad = ~torch.isfinite(maxima) | logits.isnan().any(-1)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"logits row {row} has no finite maximum (all -inf, +inf or NaN): nothing to sample")
-    return maxima
+    return maxima, ~torch.isfinite(maxima) | logits.isnan().any(-1)
 
 
 def _kept_prefix(values: torch.Tensor, maxima: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -100,15 +103,24 @@ def kept_prefixes(logits: torch.Tensor, maxima: torch.Tensor, top_k: torch.Tenso
 
 
 def sample_rows_torch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                      greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor) -> RowDraws:
+                      greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor,
+                      allow_failed_rows: bool = False) -> RowDraws:
     """The PyTorch implementation (any device). `top_k` <= 0 or >= vocab means no top-k."""
     check_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets)
     rows, vocab = logits.shape
     device = logits.device
     top_k, top_p, min_p, greedy = top_k.to(device), top_p.to(device), min_p.to(device), greedy.to(device)
     uniforms, draw_offsets = uniforms.to(device, torch.float64), draw_offsets.to(device)
-    maxima = _row_maxima(logits)
-    top_k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+    maxima, bad = _row_maxima(logits)
+    failed_rows: List[int] = []
+    if bool(bad.any()):
+        failed_rows = bad.nonzero().flatten().tolist()
+        if not allow_failed_rows:
+            raise no_finite_maximum(failed_rows[0])
+        logits = logits.masked_fill(bad[:, None], 0.0)   # a copy: the failed rows are drawn from, then ignored
+        maxima = maxima.masked_fill(bad, 0.0)
+    top_k = torch.where((top_k <= 0) | (top_k > vocab) | greedy, torch.full_like(top_k, vocab), top_k)
+    top_k = with_ties(logits, top_k)
     truncated = ~greedy & ((top_k < vocab) | (top_p < 1.0) | (min_p > 0.0))
     kept = torch.full((rows,), vocab, dtype=torch.long, device=device)
     index = truncated.nonzero().flatten()
@@ -121,7 +133,21 @@ def sample_rows_torch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     if bool(greedy_draws.any()):
         tokens[greedy_draws] = logits.argmax(-1)[row_of_draw[greedy_draws]]
     logprobs = logits[row_of_draw, tokens].double() - log_norm[row_of_draw]
-    return RowDraws(tokens, logprobs, kept, log_norm)
+    return RowDraws(tokens, logprobs, kept, log_norm, failed_rows)
+
+
+def with_ties(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Each row's top-k widened to every logit >= its k-th largest (transformers' TopKLogitsWarper and vLLM keep
+    the ties): the count of such logits, the whole row when the k-th value is -inf."""
+    vocab = logits.shape[1]
+    rows = (top_k < vocab).nonzero().flatten()
+    if not rows.numel():
+        return top_k
+    width = int(top_k[rows].max())
+    kth = logits[rows].topk(width, dim=-1).values.gather(1, (top_k[rows] - 1)[:, None])
+    widened = top_k.clone()
+    widened[rows] = (logits[rows] >= kth).sum(-1)
+    return widened
 
 
 def kept_mask(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -169,11 +195,14 @@ def _draw(logits: torch.Tensor, maxima: torch.Tensor, kept: torch.Tensor, unifor
 
 
 def sample_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor) -> RowDraws:
+                greedy: torch.Tensor, uniforms: torch.Tensor, draw_offsets: torch.Tensor,
+                allow_failed_rows: bool = False) -> RowDraws:
     """Draws for every row: the compiled kernel for CPU logits when it builds (PAGED_BACKEND_KERNELS=torch
-    forces the PyTorch version), the PyTorch version otherwise."""
+    forces the PyTorch version), the PyTorch version otherwise. A row without a finite maximum is a
+    ValueError naming it, or with `allow_failed_rows` is listed in `failed_rows` (its draws are meaningless)
+    while the other rows are drawn exactly as without it."""
     from . import cpu_sampling, kernel_backend
 
     if logits.device.type == "cpu" and kernel_backend(logits) == "cpp" and cpu_sampling.available():
-        return cpu_sampling.sample_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets)
-    return sample_rows_torch(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets)
+        return cpu_sampling.sample_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets, allow_failed_rows)
+    return sample_rows_torch(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets, allow_failed_rows)

@@ -199,3 +199,166 @@ def test_http_health_turns_503_when_the_engine_cannot_continue():
         assert health.status_code == 503 and "accelerator" in health.json()["error"]
         refused = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
         assert refused.status_code in (500, 503) and "error" in refused.json()
+
+
+# ---- issue 20, case 4: a failed row leaves its neighbours' tokens, logprobs and draws exactly as they were --------
+def force_eos_at(num_tokens: int, eos: int):
+    """The healthy twin of a fault at `num_tokens`: the request ends there (EOS), so the batch changes as it would."""
+    def processor(output_ids, logits):
+        if len(output_ids) >= num_tokens:
+            keep = logits[eos].clone()
+            logits.fill_(float("-inf"))
+            logits[eos] = keep
+        return logits
+    return processor
+
+
+def nan_at(num_tokens: int):
+    def processor(output_ids, logits):
+        return logits.fill_(float("nan")) if len(output_ids) >= num_tokens else logits
+    return processor
+
+
+NEIGHBOURS = {
+    "seeded-penalties": ("Once upon a time", SamplingParams(
+        n=2, temperature=0.7, top_p=0.9, top_k=50, seed=11, presence_penalty=0.5, frequency_penalty=0.3,
+        repetition_penalty=1.2, logit_bias={5: 2.0, 17: -1.5}, max_tokens=8, ignore_eos=True, logprobs=3)),
+    "seeded-min-p": ("Far away", SamplingParams(temperature=1.3, min_p=0.02, seed=3, max_tokens=8, ignore_eos=True,
+                                                logprobs=2)),
+    "unseeded": ("A story", SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True, logprobs=1)),
+    "greedy": ("The capital of France is", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)),
+    "greedy-penalised": ("Hello world", SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={9: 1.0},
+                                                       max_tokens=8, ignore_eos=True)),
+}
+
+
+def faulty_requests(eos: int, healthy: bool):
+    """Requests that fail (or, `healthy`, end by EOS at the same step instead): nothing left after min_tokens
+    masks EOS, a processor that raises, a processor that returns NaN."""
+    return {
+        "min-tokens": ("Only EOS", SamplingParams(temperature=1.0, allowed_token_ids=[eos], max_tokens=5,
+                                                  min_tokens=0 if healthy else 3)),
+        "raises": ("Raises later", SamplingParams(temperature=1.0, max_tokens=8, logits_processors=[
+            force_eos_at(2, eos) if healthy else fail_at(2)])),
+        "nan": ("NaN later", SamplingParams(temperature=0.8, max_tokens=8, logits_processors=[
+            force_eos_at(2, eos) if healthy else nan_at(2)])),
+    }
+
+
+def run_beside(model, tok, healthy: bool):
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=64, block_size=8, seed=7)
+    eos = engine.eos_token_ids[0]
+    for rid, (prompt, params) in {**NEIGHBOURS, **faulty_requests(eos, healthy)}.items():
+        engine.add_request(rid, prompt, params)
+    outs = run_bounded(engine)
+    assert_no_leaks(engine)
+    return outs
+
+
+def test_a_failed_row_leaves_its_neighbours_bit_identical(dtype):
+    model, tok = get_model("tiny-llama", dtype)
+    failed, healthy = run_beside(model, tok, healthy=False), run_beside(model, tok, healthy=True)
+    for rid in ("min-tokens", "raises", "nan"):
+        assert failed[rid].error is not None and healthy[rid].error is None, rid
+        # none of the failing step's effects: the output stops before the step that failed
+        assert failed[rid].outputs[0].token_ids == healthy[rid].outputs[0].token_ids[:-1], rid
+    assert "nothing to sample" in failed["min-tokens"].error and "nothing to sample" in failed["nan"].error
+    assert "injected fault" in failed["raises"].error
+    for rid in NEIGHBOURS:
+        assert failed[rid].error is None
+        for got, want in zip(failed[rid].outputs, healthy[rid].outputs, strict=True):
+            assert (got.token_ids, got.cumulative_logprob, got.logprobs) == \
+                (want.token_ids, want.cumulative_logprob, want.logprobs), rid
+
+
+def test_the_sampler_isolates_a_failed_row_and_its_draws(dtype):
+    """At the sampler: the same batch with one row failing or not gives the other rows the same tokens, logprobs
+    and top logprobs, and leaves every other generator (seeded and the engine's) in the same state."""
+    from paged_backend.sampling.sampler import SampleRequest, Sampler
+    from paged_backend.core.sequence import Sequence
+
+    vocab = 300
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    params = [SamplingParams(temperature=0.7, seed=1, presence_penalty=0.4, repetition_penalty=1.3,
+                             logprobs=2, n=2),
+              SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, top_k=20, seed=2, logprobs=1),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, top_p=0.8)]
+
+    def run(fault):
+        seqs = [Sequence([3, 4, 5, 9]) for _ in params]
+        for seq in seqs:
+            seq.token_ids.append(6)
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        processors = [fail_at(0)] if fault else []
+        row_params = list(params)
+        row_params[1] = row_params[1].replace(logits_processors=processors)
+        requests = [SampleRequest(p, s, p.n, g) for p, s, g in zip(row_params, seqs, gens)]
+        sampler = Sampler(seed=3)
+        results = sampler.sample(logits.clone(), requests)
+        states = [g.get_state() for g in gens if g is not None] + [sampler.generator.get_state()]
+        return results, states
+
+    failed, failed_states = run(fault=True)
+    healthy, healthy_states = run(fault=False)
+    assert failed[1].error is not None and "injected fault" in failed[1].error and not failed[1].token_ids
+    for i in (0, 2, 3, 4):
+        assert failed[i].error is None
+        assert (failed[i].token_ids, failed[i].logprobs, failed[i].top_logprobs) == \
+            (healthy[i].token_ids, healthy[i].logprobs, healthy[i].top_logprobs), i
+    assert all(torch.equal(a, b) for a, b in zip(failed_states, healthy_states))
+
+
+# ---- issue 20, cases 3 and 5: a failed beam step frees what it forked; one request fails once ----------------------
+def test_failed_beam_steps_free_every_block_they_forked(monkeypatch):
+    """The matcher fails on a beam's third continuation, after two children were forked: the children's blocks
+    come back, so after many such failures a request that needs the whole cache still runs."""
+    from paged_backend.structured.matcher import GrammarState
+
+    model, tok = get_model("tiny-llama", torch.float32)
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=8, block_size=8)
+    accept, calls = GrammarState.accept, []
+
+    def failing_third_accept(self, token_id):
+        calls.append(token_id)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("injected matcher fault")
+        return accept(self, token_id)
+
+    monkeypatch.setattr(GrammarState, "accept", failing_third_accept)
+    for i in range(10):
+        calls.clear()
+        engine.add_request(f"beams-{i}", "Pick a number:", SamplingParams(
+            beam_width=4, temperature=0, max_tokens=6, structured_outputs={"regex": "[0-9]{3}"}))
+        out = run_bounded(engine)[f"beams-{i}"]
+        assert "injected matcher fault" in out.error
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_blocks, (i, stats)
+    monkeypatch.undo()
+    prompt = tok("Tell me", add_special_tokens=False)["input_ids"]
+    engine.add_request("whole-cache", prompt, SamplingParams(temperature=0, ignore_eos=True,
+                                                             max_tokens=8 * 8 - len(prompt)))
+    out = run_bounded(engine)["whole-cache"]
+    assert out.error is None and len(out.outputs[0].token_ids) == 8 * 8 - len(prompt)
+    assert_no_leaks(engine)
+
+
+def test_a_beam_request_whose_rows_fail_one_after_another_keeps_its_first_error(caplog):
+    model, tok = get_model("tiny-llama", torch.float32)
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=64, block_size=8)
+    first_beam = {}
+
+    def second_row_fails(output_ids, logits):   # from the second step on, only the first beam's row passes
+        if output_ids and first_beam.setdefault(len(output_ids), tuple(output_ids)) != tuple(output_ids):
+            raise RuntimeError("the second beam's row broke")
+        return logits
+
+    engine.add_request("beams", "Hello world", SamplingParams(beam_width=2, temperature=0, max_tokens=6,
+                                                               logits_processors=[second_row_fails]))
+    with caplog.at_level(logging.ERROR, logger="paged_backend"):
+        out = run_bounded(engine)["beams"]
+    assert "the second beam's row broke" in out.error, out.error
+    assert sum("'beams' failed" in r.getMessage() for r in caplog.records) == 1
+    assert engine.get_stats().num_requests_failed == 1
+    assert_no_leaks(engine)

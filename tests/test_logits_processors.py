@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_processors_run_in_order_on_their_rows_only(dtype):
 def test_no_rows_leaves_logits_alone():
     logits = torch.randn(2, 5)
     original = logits.clone()
-    assert apply_logits_processors(logits, []) is logits
+    assert apply_logits_processors(logits, []) == {}
     assert torch.equal(logits, original)
 
 
@@ -91,5 +92,17 @@ def test_check_logits_processors():
 @pytest.mark.parametrize("bad, got", [(lambda ids, logits: None, "NoneType"),
                                       (lambda ids, logits: logits[:3], r"\[3\]")])
 def test_a_processor_must_return_a_row(bad, got):
-    with pytest.raises(ValueError, match=rf"must return a tensor of shape \[5\], got {got}"):
-        apply_logits_processors(torch.zeros(1, 5), [ProcessorRow(0, [], [], [bad])])
+    """A bad processor fails its own row (named in the result, with the reason); the other rows are processed."""
+    logits = torch.zeros(2, 5)
+    failures = apply_logits_processors(logits, [ProcessorRow(0, [], [], [bad]), ProcessorRow(1, [], [], [Scale(2.0)])])
+    assert list(failures) == [0]
+    assert re.search(rf"ValueError: .* must return a tensor of shape \[5\], got {got}", failures[0])
+
+
+def test_a_processor_that_raises_fails_its_row_alone():
+    logits = torch.ones(3, 4)
+    rows = [ProcessorRow(0, [], [], [Scale(3.0)]), ProcessorRow(1, [], [], [Scale(2.0), lambda ids, x: 1 / 0]),
+            ProcessorRow(2, [], [], [Scale(0.5)])]
+    failures = apply_logits_processors(logits, rows)
+    assert list(failures) == [1] and "ZeroDivisionError" in failures[1]
+    assert torch.equal(logits[0], torch.full((4,), 3.0)) and torch.equal(logits[2], torch.full((4,), 0.5))

@@ -49,16 +49,68 @@ def test_parallel_samples_share_prompt_blocks(dtype):
     assert_no_leaks(shared.engine)
 
 
-def test_seeded_sampling_is_reproducible_whatever_the_batch(dtype):
-    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
-    alone = make_llm(dtype=dtype).generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
-    others = SamplingParams(temperature=1.2, max_tokens=15, ignore_eos=True)
-    batch = make_llm(seed=99, dtype=dtype).generate(["Hello", PROMPT, "Another prompt"], [others, params, others],
-                                       use_tqdm=False)
-    assert batch[1].outputs[0].token_ids == alone
-    n_out = make_llm(dtype=dtype).generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
-    n_again = make_llm(dtype=dtype).generate([PROMPT], params.replace(n=3), use_tqdm=False)[0]
-    assert [c.token_ids for c in n_out.outputs] == [c.token_ids for c in n_again.outputs]
+def test_seeded_sampling_in_float64_equals_the_request_alone():
+    """docs/architecture.md: with a float64 model a seeded request's tokens equal those it gets alone, whatever
+    shares its batch (other prompts, unseeded and seeded neighbours, another engine seed), and its
+    log-probabilities agree to rounding."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True, logprobs=2,
+                            presence_penalty=0.3)
+    alone = make_llm(dtype=torch.float64).generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    others = [SamplingParams(temperature=1.2, max_tokens=15, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.7, top_k=30, seed=5, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    prompts = ["Hello", PROMPT, "Another prompt, a longer one than the first " * 3, "Short"]
+    batch = make_llm(seed=99, dtype=torch.float64).generate(prompts, [others[0], params, others[1], others[2]],
+                                                            use_tqdm=False)[1].outputs[0]
+    assert batch.token_ids == alone.token_ids
+    assert abs(batch.cumulative_logprob - alone.cumulative_logprob) < 1e-12
+    for got, want in zip(batch.logprobs, alone.logprobs, strict=True):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-12 for t in got)
+
+
+def test_a_seeded_rows_draws_depend_on_its_logits_alone(dtype):
+    """What holds in float32 too: given the same logits row, a seeded row's tokens, log-probabilities and
+    generator state do not depend on the other rows of the step (their number, order, settings or failure).
+    A float32 model's logits themselves change in their last bits with the batch (docs/architecture.md)."""
+    from paged_backend.sampling.sampler import SampleRequest, Sampler
+    from paged_backend.core.sequence import Sequence
+
+    vocab = 500
+    gen = torch.Generator().manual_seed(8)
+    row = (torch.randn(vocab, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    seeded = SamplingParams(n=2, temperature=0.8, top_p=0.95, top_k=60, presence_penalty=0.5, seed=21, logprobs=3)
+
+    def draw(neighbours):
+        params = [seeded] + [p for p, _ in neighbours]
+        rows = torch.stack([row] + [r for _, r in neighbours])
+        seqs = [Sequence([1, 2, 3]) for _ in params]
+        for seq in seqs:
+            seq.token_ids += [7, 9]
+        requests = [SampleRequest(p, s, p.n, torch.Generator().manual_seed(p.seed) if p.seed is not None else None)
+                    for p, s in zip(params, seqs)]
+        result = Sampler(seed=len(neighbours)).sample(rows, requests)[0]
+        return result.token_ids, result.logprobs, result.top_logprobs, requests[0].generator.get_state()
+
+    def noise(seed):
+        return torch.randn(vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+    nan_row = torch.full((vocab,), float("nan"), dtype=dtype)
+    alone = draw([])
+    for neighbours in ([(SamplingParams(temperature=1.0), noise(1))],
+                       [(SamplingParams(temperature=0), noise(2)), (SamplingParams(n=3, temperature=1.5, seed=4,
+                                                                                  min_p=0.1), noise(3))],
+                       [(SamplingParams(temperature=1.0, repetition_penalty=1.4), noise(4)),
+                        (SamplingParams(temperature=1.0), nan_row)]):
+        got = draw(neighbours)
+        assert got[:3] == alone[:3] and torch.equal(got[3], alone[3])
+
+
+def test_seeded_sampling_is_reproducible(dtype):
+    """The same requests in the same batch give the same tokens, run after run (float32 included)."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True, n=3)
+    others = SamplingParams(temperature=1.2, max_tokens=15, ignore_eos=True, seed=3)
+    runs = [make_llm(dtype=dtype).generate(["Hello", PROMPT], [others, params], use_tqdm=False) for _ in range(2)]
+    assert [[c.token_ids for c in o.outputs] for o in runs[0]] == [[c.token_ids for c in o.outputs] for o in runs[1]]
 
 
 def test_top_k_one_equals_greedy(dtype):

@@ -1,7 +1,9 @@
 """kernels.sample_rows (the compiled CPU kernel and the PyTorch version) against a float64 reference that
 sorts every row: the kept prefix, every drawn token and its log-probability; rows that need each path
 (heap and nth_element top-k, nucleus levels, the exact fallback, min-p alone, untruncated, greedy); bad
-rows; and the Sampler's draws for a seed equal those of the previous sort-based sampler."""
+rows; masked tokens never drawn, even by uniforms next to 1 or to a chunk's end; top-k keeps the ties with
+its k-th logit as transformers does; and the Sampler's draws for a seed equal those of the previous
+sort-based sampler."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def reference_kept(row: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     values = row.double()[order]
     e = (values - values[0]).exp()
     k = vocab if top_k <= 0 or top_k >= vocab else top_k
+    k = int((values >= values[k - 1]).sum())                      # the ties with the k-th logit are kept
     total = float(e[:k].sum())
     kept, mass = [], 0.0
     for n in range(k):
@@ -122,6 +125,102 @@ def test_a_row_without_a_finite_maximum_is_a_value_error_naming_it(impl):
     with pytest.raises(ValueError, match="row 0"):
         IMPLEMENTATIONS[impl](masked, torch.full((3,), 5), torch.ones(3), torch.zeros(3),
                               torch.zeros(3, dtype=torch.bool), torch.rand(3, dtype=torch.float64), torch.arange(4))
+
+
+CHUNK = 256   # the compiled kernel's exp chunk (kernels/cpu_sampler.cpp kChunk)
+
+
+def adversarial_uniforms(row: torch.Tensor, per_boundary: int = 64, width: float = 4e-7) -> torch.Tensor:
+    """Uniforms whose targets sit where rounding decides the token: a dense comb around the float64 cumulative
+    mass at the end of every CHUNK-token chunk (the kernel skips chunks by float sums, then scans in float64),
+    and the 40 largest doubles below 1 plus 1 - 10^-p."""
+    e = (row.double() - row.double().max()).exp()
+    cum = e.cumsum(0) / e.sum()
+    comb = torch.linspace(-width / 2, width / 2, per_boundary + 1, dtype=torch.float64)
+    near_ends = (cum[CHUNK - 1::CHUNK][:, None] + comb[None, :]).flatten()
+    below_one = [1.0]
+    for _ in range(40):
+        below_one.append(float(torch.nextafter(torch.tensor(below_one[-1], dtype=torch.float64),
+                                               torch.tensor(0.0, dtype=torch.float64))))
+    tail = torch.tensor(below_one[1:] + [1 - 10.0 ** -p for p in range(6, 16)], dtype=torch.float64)
+    return torch.cat([near_ends, tail]).clamp(0.0, below_one[1])
+
+
+def masked_rows(vocab: int = 4099) -> torch.Tensor:
+    """Rows whose masked (-inf) tokens sit where a rounding slip would land: each chunk's last token, the whole
+    tail after a few chunks, a random half and the last token; peaked and flat."""
+    gen = torch.Generator().manual_seed(case_seed("masked-rows"))
+    rows = []
+    for r in range(12):
+        row = torch.randn(vocab, generator=gen) * (0.05 if r % 2 else 2.0)
+        if r % 3 == 0:
+            row[CHUNK - 1::CHUNK] = float("-inf")
+        elif r % 3 == 1:
+            row[CHUNK * 3 + 17:] = float("-inf")
+        else:
+            row[torch.randperm(vocab, generator=gen)[: vocab // 2]] = float("-inf")
+            row[-1] = float("-inf")
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_a_masked_token_is_never_drawn(impl):
+    logits = masked_rows()
+    rows = logits.shape[0]
+    uniforms = [adversarial_uniforms(logits[r]) for r in range(rows)]
+    counts = torch.tensor([len(u) for u in uniforms])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    row_of_draw = torch.repeat_interleave(torch.arange(rows), counts)
+    for top_k, top_p, min_p in [(-1, 1.0, 0.0), (4000, 1.0, 0.0), (50, 1.0, 0.0), (-1, 0.999999, 0.0),
+                                (-1, 0.9, 0.0), (-1, 1.0, 1e-12), (3000, 0.99, 1e-9)]:
+        out = IMPLEMENTATIONS[impl](logits, torch.full((rows,), top_k),
+                                    torch.full((rows,), top_p, dtype=torch.float64),
+                                    torch.full((rows,), min_p, dtype=torch.float64),
+                                    torch.zeros(rows, dtype=torch.bool), torch.cat(uniforms), offsets)
+        drawn = logits[row_of_draw, out.tokens]
+        masked = (~torch.isfinite(drawn)).nonzero().flatten()
+        assert not masked.numel(), (f"top_k={top_k} top_p={top_p} min_p={min_p}: {masked.numel()} of {len(drawn)} "
+                                    f"draws took a masked token, e.g. row {int(row_of_draw[masked[0]])} token "
+                                    f"{int(out.tokens[masked[0]])} at u={float(torch.cat(uniforms)[masked[0]])!r}")
+        assert torch.isfinite(out.logprobs).all()
+
+
+def hf_top_k_kept(row: torch.Tensor, k: int) -> set:
+    """The tokens transformers' TopKLogitsWarper leaves finite."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    warped = TopKLogitsWarper(top_k=k)(torch.zeros(1, 1, dtype=torch.long), row[None].clone())[0]
+    return set(torch.isfinite(warped).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_top_k_keeps_the_ties_with_the_kth_logit_as_transformers_does(impl):
+    """Integer logits give many ties. The kept set is transformers' (TopKLogitsWarper keeps every logit >= the
+    k-th largest): `kept` counts it, and each draw of a uniform comb is the token the inverse CDF over that set
+    gives, with its log-probability; in both the heap (small k) and nth_element (k > 1024) selections. A row
+    whose k-th logit is -inf keeps every token (the finite ones are drawn)."""
+    gen = torch.Generator().manual_seed(case_seed("top-k-ties"))
+    vocab = 1500
+    logits = torch.randint(0, 5, (4, vocab), generator=gen).float()
+    logits[1, 300:] = float("-inf")                                # fewer finite tokens than some k
+    logits[2] = torch.randint(0, 3, (vocab,), generator=gen).float()
+    uniforms = torch.linspace(0, 1, 2001, dtype=torch.float64)[:-1]
+    for k in (1, 3, 40, 700, 1100):
+        out = IMPLEMENTATIONS[impl](logits, torch.full((4,), k), torch.ones(4, dtype=torch.float64),
+                                    torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.bool),
+                                    uniforms.repeat(4), torch.arange(5) * len(uniforms))
+        for r in range(4):
+            want = sorted(hf_top_k_kept(logits[r], k))
+            finite_kth = bool(torch.isfinite(logits[r].topk(k).values[-1]))
+            assert int(out.kept[r]) == (len(want) if finite_kth else vocab), (k, r)
+            e = (logits[r, want].double() - logits[r].double().max()).exp()
+            cdf = e.cumsum(0)
+            expected = torch.tensor(want)[torch.searchsorted(cdf, uniforms * cdf[-1], right=True)]
+            drawn = out.tokens[r * len(uniforms):(r + 1) * len(uniforms)]
+            assert torch.equal(drawn, expected), (k, r)
+            logprobs = logits[r, drawn].double() - torch.logsumexp(logits[r, want].double(), 0)
+            assert torch.allclose(out.logprobs[r * len(uniforms):(r + 1) * len(uniforms)], logprobs, atol=1e-6)
 
 
 def previous_sampler_tokens(logits: torch.Tensor, requests, generator: torch.Generator):

@@ -54,7 +54,10 @@ class TokenProcessor:
 
     # ---- failures ----------------------------------------------------------------------------
     def fail_group(self, group: SequenceGroup, error: str) -> None:
-        """End one request with an error (its blocks are freed); logged once, counted as failed."""
+        """End one request with an error (its blocks are freed); logged once, counted as failed. A request that
+        has already ended keeps its first error (a later failure of its other rows is not news)."""
+        if group.error is not None or group.is_finished():
+            return
         logger.error("request %r failed: %s", group.request_id, error)
         self.scheduler.fail(group, error)
 
@@ -100,23 +103,23 @@ class TokenProcessor:
                              self._stop_ids(params) if params.min_tokens else [])
 
     def _sample(self, items: List[ScheduledSeq], logits: torch.Tensor) -> None:
+        """Sample every row at once, then apply the results request by request: a request with a failed row
+        fails and none of its rows' results is applied; the other requests' results are exactly what they would
+        be without it (the sampler isolates rows; nothing is sampled twice)."""
         requests = [self._sample_request(item) for item in items]
         try:
-            results: List[Optional[SampleResult]] = list(self.sampler.sample(logits, requests))
-        except Exception:  # noqa: BLE001 - find the request at fault: sample the rows one by one
-            results = [self._sample_alone(item, logits[i:i + 1], request)
-                       for i, (item, request) in enumerate(zip(items, requests))]
+            results = self.sampler.sample(logits, requests)
+        except Exception as exc:  # noqa: BLE001 - a batched stage failed for no single row: the step's rows fail
+            for item in items:
+                self.fail_group(item.group, f"sampling failed: {type(exc).__name__}: {exc}")
+            return
         for item, result in zip(items, results):
-            if result is not None:
+            if result.error is not None:
+                self.fail_group(item.group, f"sampling failed: {result.error}")
+        for item, result in zip(items, results):
+            if item.group.error is None:
                 self._guarded(item.group, "generating the next token",
                               lambda item=item, result=result: self._take_sample(item, result))
-
-    def _sample_alone(self, item: ScheduledSeq, row: torch.Tensor, request: SampleRequest) -> Optional[SampleResult]:
-        try:
-            return self.sampler.sample(row, [request])[0]
-        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
-            self.fail_group(item.group, f"sampling failed: {type(exc).__name__}: {exc}")
-            return None
 
     def _take_sample(self, item: ScheduledSeq, result: SampleResult) -> None:
         group, seq = item.group, item.seq
@@ -133,8 +136,8 @@ class TokenProcessor:
 
     def _append(self, group: SequenceGroup, seq: Sequence, result, j: int) -> None:
         params = group.sampling_params
+        accept_grammar(seq, result.token_ids[j])  # first: a refused token is not appended
         seq.append_token(result.token_ids[j], result.logprobs[j])
-        accept_grammar(seq)
         if result.top_logprobs is not None:
             seq.output_logprobs.append(result.top_logprobs[j])
         if result.scores is not None:
@@ -185,30 +188,24 @@ class TokenProcessor:
         requests = [SampleRequest(item.group.sampling_params, item.seq, 1, None,
                                   self._stop_ids(item.group.sampling_params)) for item in items]
         try:
-            log_probs = self.sampler.beam_log_probs(logits, requests)
-        except Exception:  # noqa: BLE001 - find the request at fault: one row at a time
-            log_probs = None
+            log_probs, failures = self.sampler.beam_log_probs(logits, requests)
+        except Exception as exc:  # noqa: BLE001 - a batched stage failed for no single row: the step's beams fail
+            for item in items:
+                self.fail_group(item.group, f"beam scoring failed: {type(exc).__name__}: {exc}")
+            return
+        for i, message in failures.items():
+            self.fail_group(items[i].group, f"beam scoring failed: {message}")
         touched: Dict[str, SequenceGroup] = {}
         for i, item in enumerate(items):
             if item.group.is_finished():
                 continue
-            row = log_probs[i] if log_probs is not None else self._beam_row(item, logits[i:i + 1], requests[i])
-            if row is None:
-                continue
             state: BeamSearchState = item.group.beam_state
-            state.pending[item.seq.seq_id] = row
+            state.pending[item.seq.seq_id] = log_probs[i]
             if state.record_scores:
                 state.pending_logits[item.seq.seq_id] = logits[i].to(torch.float32)
             touched[item.group.request_id] = item.group
         for group in touched.values():
             self._guarded(group, "the beam search step", lambda group=group: self._beam_advance(group))
-
-    def _beam_row(self, item: ScheduledSeq, row: torch.Tensor, request: SampleRequest) -> Optional[torch.Tensor]:
-        try:
-            return self.sampler.beam_log_probs(row, [request])[0]
-        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
-            self.fail_group(item.group, f"beam scoring failed: {type(exc).__name__}: {exc}")
-            return None
 
     def _beam_advance(self, group: SequenceGroup) -> None:
         """Step the beam search once every live beam has its log-probs."""
@@ -217,14 +214,16 @@ class TokenProcessor:
         if all(seq.seq_id in state.pending for seq in live):
             rows = torch.stack([state.pending.pop(seq.seq_id) for seq in live])
             if state.record_scores:
-                state.step_scores.append(rows.clone())
-                state.step_logits.append(torch.stack([state.pending_logits.pop(seq.seq_id) for seq in live]))
+                state.record(rows, torch.stack([state.pending_logits.pop(seq.seq_id) for seq in live]))
             self._beam_step(group, live, rows)
 
     def _beam_step(self, group: SequenceGroup, live: List[Sequence], log_probs: torch.Tensor) -> None:
         state: BeamSearchState = group.beam_state
         decisions = state.step(log_probs, [seq.output_token_ids for seq in live], [seq.beam_indices for seq in live])
         group.branched = True
+        if state.done and not state.best(1):
+            raise ValueError("no beam has a continuation that the request allows (its structured output, "
+                             "allowed_token_ids or logits processors leave none) and none has finished")
         for _ in decisions:
             self._note_token(group)
         if state.done:

@@ -5,6 +5,14 @@ ranking), keeps the top `(1 + num_eos) * k` continuations, finalizes those that 
 if they rank in the top `k`, continues the best `k` that did not end, and applies the
 `early_stopping` rules. Scores are float32 tensors combined in the same order as transformers does,
 so hypotheses and scores match it exactly. The engine maps the decisions onto forked sequences.
+
+Where a grammar (or a processor) leaves fewer allowed continuations than the beams need, transformers fills
+the live beams with placeholders: candidates whose score is -inf, and candidates that just ended, continued
+at a score 1e9 lower. They never outrank a real beam or hypothesis, so its real hypotheses come out the same;
+here they are dropped instead (fewer beams live on, the search ends when none is left, and fewer than `n`
+hypotheses are returned when fewer exist, where transformers pads its `n` rows with placeholders). One
+difference remains possible in principle: with `early_stopping=True` transformers counts a placeholder that
+reaches EOS among its `k` finished hypotheses and may stop while a real beam still runs.
 """
 
 from __future__ import annotations
@@ -83,6 +91,17 @@ class BeamSearchState:
             self.finished_scores = self.finished_scores.to(device)
             self.finished_flags = self.finished_flags.to(device)
 
+    def record(self, log_probs: torch.Tensor, logits: torch.Tensor) -> None:
+        """Keep a step's log-probs and raw logits of the live beams (output_scores). After the first step (one
+        row, the prompt) a step has `beam_width` rows as in transformers: a beam dropped for want of an allowed
+        continuation leaves a -inf row, where transformers keeps a placeholder beam."""
+        missing = self.beam_width - log_probs.shape[0] if self.cur_len > self.prompt_len else 0
+        if missing > 0:
+            log_probs = torch.cat([log_probs, log_probs.new_full((missing, log_probs.shape[1]), float("-inf"))])
+            logits = torch.cat([logits, logits.new_full((missing, logits.shape[1]), float("-inf"))])
+        self.step_scores.append(log_probs.clone())
+        self.step_logits.append(logits)
+
     @property
     def num_candidates(self) -> int:
         return max(2, 1 + len(self.eos_ids)) * self.beam_width
@@ -99,21 +118,31 @@ class BeamSearchState:
         top_scores, top_index = torch.topk(accumulated, k=self.num_candidates)
         parents = (top_index // vocab).tolist()
         tokens = (top_index % vocab).tolist()
+        possible = torch.isfinite(top_scores)  # -inf: a continuation the grammar or a processor forbids
         at_max_length = self.cur_len + 1 >= self.max_length
         stops = self._stop_strings(parents, tokens, beam_tokens)
         hits = torch.tensor([at_max_length or t in self._eos_set or stop is not None
                              for t, stop in zip(tokens, stops)], dtype=torch.bool, device=log_probs.device)
 
         running = top_scores + hits.to(torch.float32) * _BIG
-        keep = torch.topk(running, k=k)[1].tolist()
+        keep = self._continued(running, hits | ~possible)
         decisions = [BeamDecision(parents[c], tokens[c], float(log_probs[parents[c], tokens[c]]), float(running[c]))
                      for c in keep]
         paths = beam_paths if beam_paths is not None else [[] for _ in beam_tokens]
-        self._update_finished(top_scores, hits, parents, tokens, beam_tokens, paths, stops)
+        self._update_finished(top_scores, hits & possible, parents, tokens, beam_tokens, paths, stops)
         self.running_scores = running[keep]
         self.cur_len += 1
         self._update_done(hits)
         return decisions
+
+    def _continued(self, running: torch.Tensor, ended: torch.Tensor) -> List[int]:
+        """The candidates that become the next live beams, best first: transformers' top `k` of the running
+        scores, less those that ended or are impossible. transformers keeps those as placeholder beams (an
+        ended one at a score 1e9 lower, an impossible one at -inf) that can never outrank a real beam; here
+        they are dropped, so a beam never continues past its EOS or with a token its grammar forbids, and
+        fewer than `k` beams live on when fewer real continuations exist."""
+        keep = torch.topk(running, k=self.beam_width)[1]
+        return keep[~ended[keep]].tolist()
 
     def _stop_strings(self, parents: List[int], tokens: List[int], beam_tokens: List[List[int]]
                       ) -> List[Optional[str]]:
@@ -150,6 +179,9 @@ class BeamSearchState:
         self.finished_flags = merged_flags[chosen]
 
     def _update_done(self, hits: torch.Tensor) -> None:
+        if self.running_scores.numel() == 0:  # no beam has a continuation left
+            self.done = True
+            return
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_len = self.max_length - self.prompt_len
         else:
@@ -178,26 +210,34 @@ def group_children(decisions: List[BeamDecision], num_parents: int) -> List[List
 def apply_beam_decisions(live: List["Sequence"], decisions: List[BeamDecision], block_manager) -> List["Sequence"]:
     """Map a step's decisions onto sequences: a parent continued by several beams is forked (its blocks
     shared), the first continuation reuses the parent, and a parent nobody continues is freed at once.
-    Returns the new live beams in ranking order."""
+    Returns the new live beams in ranking order. If mapping fails, the children forked so far are freed
+    before the error propagates (the caller fails the request, which frees the parents)."""
     new_live: List[Optional["Sequence"]] = [None] * len(decisions)
-    for parent, children in zip(live, group_children(decisions, len(live))):
-        if not children:
-            block_manager.free(parent)
-            continue
-        for position, decision in children[1:]:
-            child = parent.fork()
-            block_manager.fork(parent, child)
-            _extend(child, decision)
-            new_live[position] = child
-        position, decision = children[0]
-        _extend(parent, decision)
-        new_live[position] = parent
+    forked: List["Sequence"] = []
+    try:
+        for parent, children in zip(live, group_children(decisions, len(live))):
+            if not children:
+                block_manager.free(parent)
+                continue
+            for position, decision in children[1:]:
+                child = parent.fork()
+                block_manager.fork(parent, child)
+                forked.append(child)
+                _extend(child, decision)
+                new_live[position] = child
+            position, decision = children[0]
+            _extend(parent, decision)
+            new_live[position] = parent
+    except BaseException:
+        for child in forked:
+            block_manager.free(child)
+        raise
     return [seq for seq in new_live if seq is not None]
 
 
 def _extend(seq: "Sequence", decision: BeamDecision) -> None:
+    if seq.grammar is not None and not seq.grammar.accept(decision.token_id):
+        raise RuntimeError(f"beam token {decision.token_id} is not allowed by the structured-output grammar")
     seq.append_token(decision.token_id, decision.logprob)
     seq.cumulative_logprob = decision.score
     seq.beam_indices.append(decision.parent)
-    if seq.grammar is not None and not seq.grammar.accept(decision.token_id):
-        raise RuntimeError(f"beam token {decision.token_id} is not allowed by the structured-output grammar")

@@ -3,14 +3,14 @@
 A processor is a callable `(output_token_ids, logits_row) -> logits_row`, or
 `(prompt_token_ids, output_token_ids, logits_row) -> logits_row` (told apart by their number of
 parameters, as vLLM v0 does). Processors run in list order on a 1-D row of the step's float32 logits;
-rows without processors are not touched.
+rows without processors are not touched, and a processor that fails fails its own row only.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -53,18 +53,28 @@ class ProcessorRow:
     processors: Sequence[LogitsProcessor]
 
 
-def apply_logits_processors(logits: torch.Tensor, rows: Sequence[ProcessorRow]) -> torch.Tensor:
-    """Run each row's processors in order on that row, in place; returns `logits`."""
+def apply_logits_processors(logits: torch.Tensor, rows: Sequence[ProcessorRow]) -> Dict[int, str]:
+    """Run each row's processors in order on that row, in place. A processor that raises (or returns something
+    that is not a row) fails its row alone: the other rows are processed as if it were not there. Returns the
+    failed rows (row index -> what went wrong); their contents are then undefined."""
+    failures: Dict[int, str] = {}
     for item in rows:
-        row = logits[item.row]
-        for processor in item.processors:
-            out = (processor(list(item.prompt_token_ids), list(item.output_token_ids), row)
-                   if takes_prompt(processor) else processor(list(item.output_token_ids), row))
-            if not isinstance(out, torch.Tensor) or out.shape != row.shape:
-                got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"logits processor {processor!r} must return a tensor of shape "
-                                 f"{list(row.shape)}, got {got}")
-            row = out
-        if row.data_ptr() != logits[item.row].data_ptr():
-            logits[item.row] = row.to(logits.dtype)
-    return logits
+        try:
+            _apply_row(logits, item)
+        except Exception as exc:  # noqa: BLE001 - the error belongs to this row's request only
+            failures[item.row] = f"logits processor failed: {type(exc).__name__}: {exc}"
+    return failures
+
+
+def _apply_row(logits: torch.Tensor, item: ProcessorRow) -> None:
+    row = logits[item.row]
+    for processor in item.processors:
+        out = (processor(list(item.prompt_token_ids), list(item.output_token_ids), row)
+               if takes_prompt(processor) else processor(list(item.output_token_ids), row))
+        if not isinstance(out, torch.Tensor) or out.shape != row.shape:
+            got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"logits processor {processor!r} must return a tensor of shape "
+                             f"{list(row.shape)}, got {got}")
+        row = out
+    if row.data_ptr() != logits[item.row].data_ptr():
+        logits[item.row] = row.to(logits.dtype)

@@ -2,8 +2,10 @@
 
 Order of processing follows Hugging Face's logits processors: penalties and min-tokens masking,
 then temperature, top-k, top-p, min-p. Logits are handled in float32 (as transformers' `generate`
-does), so greedy and beam decisions match it. Rows with a `seed` draw from their own generator, so a
-seeded request gives the same tokens whatever else shares the batch.
+does), so greedy and beam decisions match it. Rows with a `seed` draw from their own generator, so given
+its logits a seeded row's draws do not depend on the rest of the batch. Every stage treats rows
+independently: a row that fails (a processor raises, nothing finite is left) is reported, not raised, and
+the other rows come out exactly as they would without it.
 
 Truncation and the draws are `kernels.sample_rows` (see kernels/sampling.py): no row is sorted, the
 draw's cumulative sum covers only the kept tokens, and a greedy row costs its argmax and one
@@ -14,7 +16,7 @@ only for the rows that ask for top logprobs or scores, and only over their kept 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,37 +49,52 @@ class SampleResult:
     top_logprobs: Optional[List[Dict[int, float]]] = None
     scores: Optional[torch.Tensor] = None   # processed scores of the row (output_scores)
     logits: Optional[torch.Tensor] = None   # raw logits of the row (output_scores)
+    error: Optional[str] = None             # the row could not be sampled: why (its request fails)
 
 
 def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest],
-                    masker: Optional[GrammarMasker] = None) -> torch.Tensor:
+                    masker: Optional[GrammarMasker] = None) -> Dict[int, str]:
     """Repetition (HF: over prompt and output), presence and frequency (over output) penalties,
     min-tokens masking, the request's own logits processors, then its structured-output grammar mask,
-    in place on float32 rows."""
+    in place on float32 rows. A row whose processing fails fails alone: the others are processed exactly as
+    without it, and its own row is set to zeros (so that batched steps after this one see finite values).
+    Returns the failed rows (row -> what went wrong)."""
+    failures: Dict[int, str] = {}
     for i, req in enumerate(requests):
         p = req.params
-        if p.repetition_penalty != 1.0:
-            ids = torch.tensor(req.seq.token_ids, device=logits.device, dtype=torch.long)
-            picked = logits[i].gather(0, ids)
-            picked = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
-            logits[i].scatter_(0, ids, picked)
-        if (p.presence_penalty or p.frequency_penalty) and req.seq.num_output_tokens:
-            ids = torch.tensor(req.seq.output_token_ids, device=logits.device, dtype=torch.long)
-            counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        if req.blocked_ids and req.seq.num_output_tokens < p.min_tokens and not _grammar_complete(req.seq):
-            logits[i, [t for t in req.blocked_ids if t < logits.shape[1]]] = NEG_INF
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or req.blocked_ids:
+            try:
+                _penalize_row(logits, i, req)
+            except Exception as exc:  # noqa: BLE001 - the error belongs to this row's request only
+                failures[i] = f"penalties failed: {type(exc).__name__}: {exc}"
     with_processors = [ProcessorRow(i, r.seq.token_ids[:r.seq.prompt_len], r.seq.output_token_ids,
                                     r.params.logits_processors)
-                       for i, r in enumerate(requests) if r.params.logits_processors]
+                       for i, r in enumerate(requests) if r.params.logits_processors and i not in failures]
     if with_processors:
-        apply_logits_processors(logits, with_processors)
-    constrained = [i for i, r in enumerate(requests) if r.seq.grammar is not None]
+        failures.update(apply_logits_processors(logits, with_processors))
+    constrained = [i for i, r in enumerate(requests) if r.seq.grammar is not None and i not in failures]
     if constrained:  # last, so that nothing after it can allow a token the grammar forbids
         if masker is None:
             masker = GrammarMasker(logits.shape[1])
-        masker.apply(logits, constrained, [requests[i].seq.grammar for i in constrained])
-    return logits
+        failures.update(masker.apply_isolated(logits, constrained, [requests[i].seq.grammar for i in constrained]))
+    if failures:
+        logits[sorted(failures)] = 0.0
+    return failures
+
+
+def _penalize_row(logits: torch.Tensor, i: int, req: SampleRequest) -> None:
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(req.seq.token_ids, device=logits.device, dtype=torch.long)
+        picked = logits[i].gather(0, ids)
+        picked = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+        logits[i].scatter_(0, ids, picked)
+    if (p.presence_penalty or p.frequency_penalty) and req.seq.num_output_tokens:
+        ids = torch.tensor(req.seq.output_token_ids, device=logits.device, dtype=torch.long)
+        counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if req.blocked_ids and req.seq.num_output_tokens < p.min_tokens and not _grammar_complete(req.seq):
+        logits[i, [t for t in req.blocked_ids if t < logits.shape[1]]] = NEG_INF
 
 
 def _grammar_complete(seq: Sequence) -> bool:
@@ -119,15 +136,25 @@ class Sampler:
         return self.masker(logits.shape[1]) if any(r.seq.grammar is not None for r in requests) else None
 
     def sample(self, logits: torch.Tensor, requests: List[SampleRequest]) -> List[SampleResult]:
+        """One result per row. A row that cannot be sampled (a processor or its grammar failed, or nothing
+        finite is left to draw from) gets a result with `error` set and no tokens; every other row's tokens,
+        log-probabilities and generator draws are exactly what they would be without that failure (each
+        stage treats rows independently, every row draws its uniforms, and nothing is sampled twice)."""
         raw = logits.to(torch.float32)
         keep_raw = any(r.params.output_scores for r in requests)
-        scores = apply_penalties(raw.clone() if keep_raw else raw, requests, self._masker_for(logits, requests))
+        scores = raw.clone() if keep_raw else raw
+        failures = apply_penalties(scores, requests, self._masker_for(logits, requests))
         scores = apply_temperature(scores, requests)
         uniforms, offsets = self._uniforms(requests)
-        draws = kernels.sample_rows(scores, *truncation_params(requests), uniforms, offsets)
+        draws = kernels.sample_rows(scores, *truncation_params(requests), uniforms, offsets, allow_failed_rows=True)
+        for row in draws.failed_rows:
+            failures.setdefault(row, "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample")
         tokens, token_lps = draws.tokens.tolist(), draws.logprobs.tolist()
         results = []
         for i, req in enumerate(requests):
+            if failures and i in failures:
+                results.append(SampleResult([], [], error=failures[i]))
+                continue
             row_tokens = tokens[int(offsets[i]):int(offsets[i + 1])]
             row_lps = token_lps[int(offsets[i]):int(offsets[i + 1])]
             result = SampleResult(row_tokens, row_lps)
@@ -178,7 +205,9 @@ class Sampler:
             uniforms[int(offsets[i]):int(offsets[i + 1])] = u
         return uniforms, offsets
 
-    def beam_log_probs(self, logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
-        """HF beam search scores: log-softmax first, then the processors applied to the log-probs."""
-        return apply_penalties(torch.log_softmax(logits.to(torch.float32), dim=-1), requests,
-                               self._masker_for(logits, requests))
+    def beam_log_probs(self, logits: torch.Tensor,
+                       requests: List[SampleRequest]) -> Tuple[torch.Tensor, Dict[int, str]]:
+        """HF beam search scores: log-softmax first, then the processors applied to the log-probs. Also the rows
+        that failed (row -> what went wrong), as `apply_penalties` reports them."""
+        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        return log_probs, apply_penalties(log_probs, requests, self._masker_for(logits, requests))

@@ -9,7 +9,7 @@ operation; rows without a constraint are not touched and cost nothing.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -72,12 +72,11 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def accept_grammar(seq) -> None:
-    """Advance a sequence's grammar (if it has one) by its newest token; the sampler masked everything the
-    grammar forbids, so a refusal is a bug and fails the request."""
-    if seq.grammar is not None and not seq.grammar.accept(seq.token_ids[-1]):
-        raise RuntimeError(f"token {seq.token_ids[-1]} was sampled but the structured-output grammar does not "
-                           "allow it")
+def accept_grammar(seq, token_id: int) -> None:
+    """Advance a sequence's grammar (if it has one) by the token about to be appended; the sampler masked
+    everything the grammar forbids, so a refusal is a bug and fails the request (the state is unchanged)."""
+    if seq.grammar is not None and not seq.grammar.accept(token_id):
+        raise RuntimeError(f"token {token_id} was sampled but the structured-output grammar does not allow it")
 
 
 def _bitmask_width(vocab_size: int) -> int:
@@ -121,6 +120,26 @@ class GrammarMasker:
         row_list = [int(r) for r in rows]
         self._batch.batch_fill_next_token_bitmask([s._matcher for s in states], bitmask, row_list)
         _apply_bitmask(logits, bitmask, row_list, self.vocab_size)
+
+    def apply_isolated(self, logits: torch.Tensor, rows: Sequence[int],
+                       states: Sequence[GrammarState]) -> Dict[int, str]:
+        """`apply`, except that a row whose grammar cannot give a mask (it is terminated, or the matcher fails)
+        fails alone: returns those rows (row -> what went wrong), the others are masked. Filling a mask does
+        not change a matcher, so rows are retried one by one only after the batched call failed."""
+        failures = {int(r): "the structured-output grammar is terminated (EOS was accepted): nothing more may be "
+                    "sampled" for r, s in zip(rows, states) if s.is_terminated}
+        if failures:
+            states = [s for r, s in zip(rows, states) if int(r) not in failures]
+            rows = [r for r in rows if int(r) not in failures]
+        try:
+            self.apply(logits, rows, states)
+        except Exception:  # noqa: BLE001 - find the rows at fault
+            for row, state in zip(rows, states):
+                try:
+                    self.apply(logits, [row], [state])
+                except Exception as exc:  # noqa: BLE001 - the error belongs to this row's request only
+                    failures[int(row)] = f"structured-output mask failed: {type(exc).__name__}: {exc}"
+        return failures
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
