@@ -25,7 +25,7 @@ def test_wheel_contains_and_imports_every_package(tmp_path):
                  "paged_backend/kernels/cpu_sampler.cpp", "paged_backend/kernels/cpu_vector.h",
                  "paged_backend/adapters/http/tgi_routes.py",
                  "paged_backend/adapters/triton/model.py", "paged_backend/adapters/hf/runner.py",
-                 "paged_backend/engine/request_params.py", "paged_backend/worker/tp_worker.py", "paged_backend/benchmarks/waste.py"):
+                 "paged_backend/engine/request_params.py", "paged_backend/worker/tp_worker.py", "paged_backend/benchmarks/paper/waste.py"):
         assert path in names
     assert not any(n.startswith(("adapters/", "kernels/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

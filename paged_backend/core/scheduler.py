@@ -110,7 +110,8 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
-        self.finish_group(group, SequenceStatus.FINISHED_ABORTED, error)
+        group.abort(error)
+        self.block_manager.free_group(group)
 
     def finish_group(self, group: SequenceGroup, status: SequenceStatus, error: Optional[str] = None) -> None:
         for seq in group.unfinished_seqs():

@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:  # core imports no torch: the parameters module pulls in the logits processors' types
     from paged_backend.sampling_params import SamplingParams
@@ -85,17 +85,29 @@ class Sequence:
         return self.status.is_finished
 
     def fork(self) -> "Sequence":
-        """A copy with a new id; the caller shares the parent's blocks through the block manager."""
+        """A copy with a new id, field by field: lists are copied, the grammar state forked, and the RNG left to
+        the caller (a seeded sample gets its own stream); the caller shares the parent's blocks through the
+        block manager. A field added to `__init__` must be added here too (a test holds them equal)."""
         child = Sequence.__new__(Sequence)
-        child.__dict__.update(self.__dict__)
         child.seq_id = next(_seq_counter)
+        child.prompt_len = self.prompt_len
         child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.max_computed_tokens = self.max_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
         child.output_scores = list(self.output_scores)
         child.beam_indices = list(self.beam_indices)
+        child.output_text = self.output_text
+        child.detok_prefix_offset = self.detok_prefix_offset
+        child.detok_read_offset = self.detok_read_offset
+        child.detok_prefix_text = self.detok_prefix_text
+        child.detok_started = self.detok_started
+        child.stop_reason = self.stop_reason
         child.block_hashes = list(self.block_hashes)
-        if self.grammar is not None:
-            child.grammar = self.grammar.fork()
+        child.generator = None
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         return child
 
     def __repr__(self) -> str:
@@ -124,7 +136,9 @@ class SequenceGroup:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_ids = list(eos_token_ids or [])
+        # the tokens that end this request's sequences: EOS unless ignored, then its stop_token_ids
+        self.stop_ids: Tuple[int, ...] = ((() if sampling_params.ignore_eos else tuple(eos_token_ids or ()))
+                                          + tuple(sampling_params.stop_token_ids))
         self.seqs: List[Sequence] = [Sequence(self.prompt_token_ids)]
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.branched = False       # the prompt's first sample has been forked into best_of / beam_width seqs
@@ -170,6 +184,15 @@ class SequenceGroup:
         """Move the active sequences; pending forks stay waiting until they fork."""
         for seq in self.active_seqs():
             seq.status = status
+
+    def abort(self, error: str) -> None:
+        """End the request with an error: its unfinished sequences are aborted (their blocks are freed by whoever
+        holds them: the scheduler at the end of the step). The first error is kept."""
+        for seq in self.unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        if self.error is None:
+            self.error = error
+        self.fork_pending_len = None
 
     def find(self, seq_id: int) -> Sequence:
         for seq in self.seqs:

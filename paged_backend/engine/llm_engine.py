@@ -92,13 +92,13 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed)
         self.groups: Dict[str, SequenceGroup] = {}
         self.counters = Counters()
-        self.outputs = OutputBuilder(self.tokenizer, self._stop_ids)
+        self.outputs = OutputBuilder(self.tokenizer)
         self.errored: Optional[EngineDeadError] = None  # set when the engine cannot run another step
         self._deltas: Dict[str, DeltaTracker] = {}       # requests that want delta / final-only outputs
         self.intake = RequestIntake(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                     self.config, self.block_manager, self.sliding_window)
-        self.tokens = TokenProcessor(self.scheduler, self.block_manager, self.sampler, self.tokenizer,
-                                     self.counters, self.eos_token_ids, self.max_model_len, self._stop_ids)
+        self.tokens = TokenProcessor(self.block_manager, self.sampler, self.tokenizer,
+                                     self.counters, self.eos_token_ids, self.max_model_len)
 
     # ---- construction ------------------------------------------------------------------------
     @staticmethod
@@ -176,7 +176,7 @@ class LLMEngine:
         if params.use_beam_search:
             group.beam_state = BeamSearchState(
                 params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
-                params.early_stopping, self._stop_ids(params), record_scores=params.output_scores,
+                params.early_stopping, list(group.stop_ids), record_scores=params.output_scores,
                 stop_check=self._beam_stop_check(params))
         self.groups[request_id] = group
         if params.output_kind != RequestOutputKind.CUMULATIVE:
@@ -187,9 +187,6 @@ class LLMEngine:
         max_tokens = group.sampling_params.max_tokens
         limit = self.max_model_len
         return limit if max_tokens is None else min(limit, len(group.prompt_token_ids) + max_tokens)
-
-    def _stop_ids(self, params: SamplingParams) -> List[int]:
-        return ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
 
     def _beam_stop_check(self, params: SamplingParams) -> Optional[Callable[[List[int], int], Optional[str]]]:
         """For beam search with stop strings: the stop string a candidate token completes, if any."""
@@ -286,7 +283,7 @@ class LLMEngine:
         logger.error("step failed; failing the %d requests it ran", len(self.scheduler.running), exc_info=exc)
         victims = list(self.scheduler.running) + [g for g in sched.preempted if g in self.scheduler.swapped]
         for group in victims:
-            self.tokens.fail_group(group, error)
+            self.scheduler.fail(group, error)
         return [self._finalize(group) for group in victims]
 
     def _die(self, exc: EngineDeadError) -> None:

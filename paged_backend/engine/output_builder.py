@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 from paged_backend.sampling.beam_search import BeamSearchState, Hypothesis
 from paged_backend.engine.detokenizer import cut_at_stop
@@ -12,11 +12,10 @@ from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class OutputBuilder:
-    """Builds outputs with the engine's tokenizer; `stop_ids(params)` names the tokens that end a beam."""
+    """Builds outputs with the engine's tokenizer."""
 
-    def __init__(self, tokenizer, stop_ids: Callable[[SamplingParams], List[int]]) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.stop_ids = stop_ids
 
     def build(self, group: SequenceGroup, final: bool = False) -> RequestOutput:
         m = group.metrics
@@ -71,7 +70,7 @@ class OutputBuilder:
         state: BeamSearchState = group.beam_state
         aborted = group.error is not None or any(s.status == SequenceStatus.FINISHED_ABORTED for s in group.seqs)
         if final and not aborted:
-            stop_ids = set(self.stop_ids(params))
+            stop_ids = set(group.stop_ids)
             return [CompletionOutput(i, self._hypothesis_text(hyp, params), hyp.token_ids, hyp.sum_logprob,
                                      finish_reason="stop" if hyp.stop_reason is not None or
                                      (hyp.token_ids and hyp.token_ids[-1] in stop_ids) else "length",

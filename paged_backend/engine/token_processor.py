@@ -10,13 +10,13 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from paged_backend.sampling.beam_search import BeamSearchState, apply_beam_decisions
+from paged_backend.engine.beam_forks import apply_beam_decisions
+from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.detokenizer import cut_at_stop, decode_new_text, find_stop_string
 from paged_backend.engine.metrics import Counters
 from paged_backend.sampling.sampler import SampleRequest, SampleResult, Sampler
-from paged_backend.sampling_params import SamplingParams
-from paged_backend.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from paged_backend.core.scheduler import ScheduledSeq, SchedulerOutput
 from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_backend.structured.matcher import accept_grammar
 
@@ -35,17 +35,14 @@ def sample_generator(seed: int, index: int) -> torch.Generator:
 class TokenProcessor:
     """Applies one step's logits to the scheduled sequences: sampling, beam search, stops, bookkeeping."""
 
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, sampler: Sampler, tokenizer,
-                 counters: Counters, eos_token_ids: List[int], max_model_len: int,
-                 stop_ids: Callable[[SamplingParams], List[int]]) -> None:
-        self.scheduler = scheduler
+    def __init__(self, block_manager: BlockManager, sampler: Sampler, tokenizer,
+                 counters: Counters, eos_token_ids: List[int], max_model_len: int) -> None:
         self.block_manager = block_manager
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.counters = counters
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self._stop_ids = stop_ids
         self._token_step: Dict[str, int] = {}  # request -> step of its last generated token
 
     def forget(self, request_id: str) -> None:
@@ -54,12 +51,13 @@ class TokenProcessor:
 
     # ---- failures ----------------------------------------------------------------------------
     def fail_group(self, group: SequenceGroup, error: str) -> None:
-        """End one request with an error (its blocks are freed); logged once, counted as failed. A request that
-        has already ended keeps its first error (a later failure of its other rows is not news)."""
+        """End one request with an error, logged once (the engine counts it as failed; the scheduler frees its
+        blocks when the step's finished sequences are freed). A request that has already ended keeps its first
+        error (a later failure of its other rows is not news)."""
         if group.error is not None or group.is_finished():
             return
         logger.error("request %r failed: %s", group.request_id, error)
-        self.scheduler.fail(group, error)
+        group.abort(error)
 
     def _guarded(self, group: SequenceGroup, what: str, action: Callable[[], None]) -> None:
         """Run one request's part of the step; an exception fails that request alone."""
@@ -100,7 +98,7 @@ class TokenProcessor:
         group = item.group
         params = group.sampling_params
         return SampleRequest(params, item.seq, 1 if group.branched else params.best_of, item.seq.generator,
-                             self._stop_ids(params) if params.min_tokens else [])
+                             group.stop_ids if params.min_tokens else ())
 
     def _sample(self, items: List[ScheduledSeq], logits: torch.Tensor) -> None:
         """Sample every row at once, then apply the results request by request: a request with a failed row
@@ -186,7 +184,7 @@ class TokenProcessor:
     # ---- beam search -------------------------------------------------------------------------
     def _beam_search(self, items: List[ScheduledSeq], logits: torch.Tensor) -> None:
         requests = [SampleRequest(item.group.sampling_params, item.seq, 1, None,
-                                  self._stop_ids(item.group.sampling_params)) for item in items]
+                                  item.group.stop_ids) for item in items]
         try:
             log_probs, failures = self.sampler.beam_log_probs(logits, requests)
         except Exception as exc:  # noqa: BLE001 - a batched stage failed for no single row: the step's beams fail
@@ -221,9 +219,6 @@ class TokenProcessor:
         state: BeamSearchState = group.beam_state
         decisions = state.step(log_probs, [seq.output_token_ids for seq in live], [seq.beam_indices for seq in live])
         group.branched = True
-        if state.done and not state.best(1):
-            raise ValueError("no beam has a continuation that the request allows (its structured output, "
-                             "allowed_token_ids or logits processors leave none) and none has finished")
         for _ in decisions:
             self._note_token(group)
         if state.done:

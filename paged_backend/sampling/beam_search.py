@@ -18,14 +18,15 @@ reaches EOS among its `k` finished hypotheses and may stop while a real beam sti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, List, Optional, Set, Union
 
 import torch
 
-if TYPE_CHECKING:
-    from paged_backend.core.sequence import Sequence
-
 _BIG = -1.0e9
+
+
+class BeamSearchExhausted(ValueError):
+    """Every beam ended without a continuation the request allows and no hypothesis finished: the request fails."""
 
 
 @dataclass
@@ -133,6 +134,9 @@ class BeamSearchState:
         self.running_scores = running[keep]
         self.cur_len += 1
         self._update_done(hits)
+        if self.done and not self.best(1):
+            raise BeamSearchExhausted("no beam has a continuation that the request allows (its structured output, "
+                                      "allowed_token_ids or logits processors leave none) and none has finished")
         return decisions
 
     def _continued(self, running: torch.Tensor, ended: torch.Tensor) -> List[int]:
@@ -197,47 +201,3 @@ class BeamSearchState:
     def best(self, n: int) -> List[Hypothesis]:
         """The n best finished hypotheses, best first."""
         return [h for h in self.finished[:n] if h is not None]
-
-
-def group_children(decisions: List[BeamDecision], num_parents: int) -> List[List[Tuple[int, BeamDecision]]]:
-    """For each parent beam, the (new position, decision) pairs that continue it."""
-    children: List[List[Tuple[int, BeamDecision]]] = [[] for _ in range(num_parents)]
-    for position, decision in enumerate(decisions):
-        children[decision.parent].append((position, decision))
-    return children
-
-
-def apply_beam_decisions(live: List["Sequence"], decisions: List[BeamDecision], block_manager) -> List["Sequence"]:
-    """Map a step's decisions onto sequences: a parent continued by several beams is forked (its blocks
-    shared), the first continuation reuses the parent, and a parent nobody continues is freed at once.
-    Returns the new live beams in ranking order. If mapping fails, the children forked so far are freed
-    before the error propagates (the caller fails the request, which frees the parents)."""
-    new_live: List[Optional["Sequence"]] = [None] * len(decisions)
-    forked: List["Sequence"] = []
-    try:
-        for parent, children in zip(live, group_children(decisions, len(live))):
-            if not children:
-                block_manager.free(parent)
-                continue
-            for position, decision in children[1:]:
-                child = parent.fork()
-                block_manager.fork(parent, child)
-                forked.append(child)
-                _extend(child, decision)
-                new_live[position] = child
-            position, decision = children[0]
-            _extend(parent, decision)
-            new_live[position] = parent
-    except BaseException:
-        for child in forked:
-            block_manager.free(child)
-        raise
-    return [seq for seq in new_live if seq is not None]
-
-
-def _extend(seq: "Sequence", decision: BeamDecision) -> None:
-    if seq.grammar is not None and not seq.grammar.accept(decision.token_id):
-        raise RuntimeError(f"beam token {decision.token_id} is not allowed by the structured-output grammar")
-    seq.append_token(decision.token_id, decision.logprob)
-    seq.cumulative_logprob = decision.score
-    seq.beam_indices.append(decision.parent)

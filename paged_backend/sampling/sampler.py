@@ -16,19 +16,30 @@ only for the rows that ask for top logprobs or scores, and only over their kept 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 
 from paged_backend import kernels
 from paged_backend.sampling.logits_processors import ProcessorRow, apply_logits_processors
-from paged_backend.structured.matcher import GrammarMasker
+from paged_backend.structured.matcher import GrammarMasker, GrammarState
 from paged_backend.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from paged_backend.core.sequence import Sequence
-
 NEG_INF = float("-inf")
+
+
+class SampledSequence(Protocol):
+    """What the sampler reads of a sequence (the engine's `Sequence` has it): its tokens and its grammar."""
+
+    token_ids: List[int]
+    prompt_len: int
+    grammar: Optional[GrammarState]
+
+    @property
+    def output_token_ids(self) -> List[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass
@@ -36,10 +47,10 @@ class SampleRequest:
     """One logits row to sample from."""
 
     params: SamplingParams
-    seq: Sequence
+    seq: SampledSequence
     num_samples: int = 1
     generator: Optional[torch.Generator] = None
-    blocked_ids: List[int] = field(default_factory=list)  # masked while fewer than min_tokens were generated
+    blocked_ids: Tuple[int, ...] = ()  # masked while fewer than min_tokens were generated
 
 
 @dataclass
@@ -97,7 +108,7 @@ def _penalize_row(logits: torch.Tensor, i: int, req: SampleRequest) -> None:
         logits[i, [t for t in req.blocked_ids if t < logits.shape[1]]] = NEG_INF
 
 
-def _grammar_complete(seq: Sequence) -> bool:
+def _grammar_complete(seq: SampledSequence) -> bool:
     """The sequence's grammar may end here, so EOS must stay allowed even before min_tokens."""
     return seq.grammar is not None and seq.grammar.is_completed
 
