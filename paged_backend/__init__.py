@@ -5,6 +5,7 @@ from .engine import LLMEngine
 from .llm import LLM
 from .metrics import EngineStats
 from .outputs import CompletionOutput, RequestOutput
+from .request_intake import ValidatedRequest
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -19,4 +20,4 @@ def __getattr__(name):
 
 
 __all__ = ["AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine",
-           "RequestOutput", "SamplingParams", "__version__"]
+           "RequestOutput", "SamplingParams", "ValidatedRequest", "__version__"]

@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from paged_backend import SamplingParams
+from paged_backend import SamplingParams, ValidatedRequest
+from paged_backend.bounded_json import loads as load_json
 from paged_backend.errors import InvalidRequest, PromptTooLong
 from paged_backend.request_params import sampling_params_from_dict
 from paged_backend.sampling_params import RequestOutputKind
@@ -25,7 +26,7 @@ from .body import StrictBody
 from .context import ServerContext
 from .errors import ValidationFailed, refusal
 from .openai_structured import structured_outputs_value
-from .openai_tools import ToolChoice, ToolDefinition, ToolPlan, plan_tools
+from .openai_tools import EarlierToolCall, ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
 # OpenAI's documented limits
 MAX_COMPLETION_LOGPROBS = 5
@@ -103,7 +104,7 @@ class ChatMessage(StrictBody):
     role: str
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
-    tool_calls: Optional[List[Dict[str, Any]]] = None   # an assistant's earlier calls
+    tool_calls: Optional[List[EarlierToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None                  # a tool's answer to one of them
 
 
@@ -120,10 +121,9 @@ class ChatRequest(SamplingFields):
 
 @dataclass
 class OpenAIPlan:
-    """A validated request: one engine request per prompt, each with its SamplingParams."""
+    """A validated request: one prepared engine request per prompt."""
 
-    prompts: List[List[int]]
-    params: List[SamplingParams]
+    requests: List[ValidatedRequest]
     stream: bool
     include_usage: bool
     logprobs: Optional[int]        # completions: top-k per position; chat: top_logprobs
@@ -131,8 +131,16 @@ class OpenAIPlan:
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
 
     @property
+    def prompts(self) -> List[List[int]]:
+        return [r.prompt_token_ids for r in self.requests]
+
+    @property
+    def params(self) -> List[SamplingParams]:
+        return [r.params for r in self.requests]
+
+    @property
     def n(self) -> int:
-        return self.params[0].n
+        return self.requests[0].params.n
 
 
 def _fail(message: str, param: str, code: str = "invalid_value") -> None:
@@ -189,8 +197,10 @@ def vllm_values(req: SamplingFields, max_tokens: Optional[int], logprobs: Option
 
 
 def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: Optional[int],
-            logprobs: Optional[int], default: Optional[int], prompt_param: str, tool_schema: Optional[dict] = None):
-    """(token ids, SamplingParams) per prompt through the engine's contract; refusals in OpenAI's terms."""
+            logprobs: Optional[int], default: Optional[int], prompt_param: str,
+            tool_schema: Optional[dict] = None) -> List[ValidatedRequest]:
+    """One prepared engine request per prompt through the engine's contract (the parameters are checked and
+    prepared once for all prompts); refusals in OpenAI's terms."""
     structured, source = structured_outputs_value(req.structured_outputs, {g: getattr(req, g) for g in _GUIDED},
                                                   req.response_format, tool_schema)
     names = {"prompt": prompt_param, "structured_outputs": source or "structured_outputs"}
@@ -198,14 +208,12 @@ def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: 
         base = sampling_params_from_dict(vllm_values(req, max_tokens, logprobs, structured),
                                          output_kind=RequestOutputKind.DELTA if req.stream else
                                          RequestOutputKind.CUMULATIVE)
-        ids = [ctx.engine.validate(p, base) for p in prompts]
-        params = [ctx.engine.fit_max_tokens(len(i), base, default=default) for i in ids]
+        return [ctx.engine.fit(r, default=default) for r in ctx.engine.prepare_many(prompts, base)]
     except InvalidRequest as exc:
         failed = refusal(exc, names)
         if exc.param == "structured_outputs" and source not in (None, "structured_outputs"):
             failed.message = f"`{source}`: {failed.message}"  # the engine names its own field
         raise failed from None
-    return ids, params
 
 
 def _completion_prompts(prompt) -> list:
@@ -229,9 +237,9 @@ def plan_completion(ctx: ServerContext, req: CompletionRequest) -> OpenAIPlan:
     if req.echo and req.logprobs is not None:
         _fail("`echo` with `logprobs` is not supported: prompt logprobs are not computed", "echo",
               "unsupported_parameter")
-    ids, params = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
-    echo = [ctx.tokenizer.decode(p) for p in ids] if req.echo else None
-    return OpenAIPlan(ids, params, req.stream, _include_usage(req), req.logprobs, echo)
+    requests = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
+    echo = [ctx.tokenizer.decode(r.prompt_token_ids) for r in requests] if req.echo else None
+    return OpenAIPlan(requests, req.stream, _include_usage(req), req.logprobs, echo)
 
 
 def _include_usage(req: SamplingFields) -> bool:
@@ -249,18 +257,19 @@ def _message_text(message: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def _template_tool_calls(calls: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def _template_tool_calls(calls: List[EarlierToolCall]) -> List[Dict[str, Any]]:
     """An assistant message's earlier calls as chat templates expect them: `arguments` as an object (as vLLM
     passes them; the API carries a JSON string)."""
     shaped = []
     for call in calls:
-        function = dict(call.get("function") or {})
-        if isinstance(function.get("arguments"), str):
+        shaped_call = call.model_dump(exclude_none=True)
+        arguments = call.function.arguments
+        if isinstance(arguments, str):
             try:
-                function["arguments"] = json.loads(function["arguments"])
+                shaped_call["function"]["arguments"] = load_json(arguments, "arguments")
             except ValueError:
-                pass
-        shaped.append({**call, "function": function})
+                pass  # not JSON: the template gets the string as sent
+        shaped.append(shaped_call)
     return shaped
 
 
@@ -306,8 +315,11 @@ def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         _fail(f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}", "max_completion_tokens")
     text = chat_prompt(ctx, req, tools.tools)
-    prompt = list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
+    try:  # the template already holds the special tokens; a text far beyond the context is refused early
+        prompt = ctx.engine.encode(text, req.truncate_prompt_tokens, add_special_tokens=False)
+    except InvalidRequest as exc:
+        raise refusal(exc, {"prompt": "messages"}) from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    ids, params = _settle(ctx, req, [prompt], requested, logprobs, None, "messages", tools.schema)
-    return OpenAIPlan(ids, params, req.stream, _include_usage(req), logprobs, tools=tools)
+    requests = _settle(ctx, req, [prompt], requested, logprobs, None, "messages", tools.schema)
+    return OpenAIPlan(requests, req.stream, _include_usage(req), logprobs, tools=tools)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from pydantic import Field
 
-from paged_backend import SamplingParams
+from paged_backend import SamplingParams, ValidatedRequest
 from paged_backend.errors import InvalidRequest
 from paged_backend.request_params import sampling_params_from_dict
 from paged_backend.sampling_params import RequestOutputKind
@@ -75,17 +75,24 @@ class TokenizeRequest(StrictBody):
 
 @dataclass
 class TGIPlan:
-    """A validated TGI request, ready to run."""
+    """A validated TGI request, ready to run (`request` is the engine's prepared request)."""
 
     inputs: str
-    prompt_ids: List[int]
-    params: SamplingParams
+    request: ValidatedRequest
     best_of: int
     seed: Optional[int]
     details: bool
     decoder_input_details: bool
     top_n_tokens: int
     return_full_text: bool
+
+    @property
+    def prompt_ids(self) -> List[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 def _fail(message: str, param: Optional[str] = None) -> None:
@@ -171,11 +178,11 @@ def plan_tgi(ctx: ServerContext, request: TGIRequest, stream: bool) -> TGIPlan:
     default = None if "max_new_tokens" in p.model_fields_set else DEFAULT_MAX_NEW_TOKENS
     try:
         params = sampling_params_from_dict(vllm_values(p, best_of, seed), output_kind=kind)
-        ids = ctx.engine.validate(request.inputs, params)
-        params = ctx.engine.fit_max_tokens(len(ids), params, default=default, param="max_new_tokens")
+        prepared = ctx.engine.fit(ctx.engine.prepare(request.inputs, params), default=default,
+                                  param="max_new_tokens")
     except InvalidRequest as exc:
         if exc.param == "structured_outputs":  # the grammar did not compile
             raise invalid(re.sub(r"^invalid structured_outputs\.\w+: ", "", str(exc))) from None
         raise refusal(exc, TGI_NAMES) from None
-    return TGIPlan(request.inputs, ids, params, best_of, seed, p.details, p.decoder_input_details,
+    return TGIPlan(request.inputs, prepared, best_of, seed, p.details, p.decoder_input_details,
                    p.top_n_tokens or 0, bool(p.return_full_text))
