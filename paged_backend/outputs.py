@@ -3,10 +3,43 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:
     import torch
+
+
+class Logprob(float):
+    """A token's log-probability (a float, so existing code reads it as one) with its `rank` at that position:
+    1 for the most likely token, as vLLM's `Logprob.rank` (None where the engine did not rank it)."""
+
+    __slots__ = ("rank",)
+
+    def __new__(cls, value: float, rank: Optional[int] = None) -> "Logprob":
+        self = super().__new__(cls, value)
+        self.rank = rank
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return (Logprob, (float(self), self.rank))
+
+    def __repr__(self) -> str:
+        return f"Logprob({float(self)!r}, rank={self.rank})"
+
+
+def ranked(top: Optional[Mapping[int, float]], k: Optional[int] = None) -> List[Tuple[int, float]]:
+    """A position's top logprobs best first ((token id, logprob) pairs), the first `k` of them: by the engine's
+    rank where it gives one, else by value. The one ordering every front uses."""
+    def order(item: Tuple[int, float]) -> tuple:
+        rank = getattr(item[1], "rank", None)
+        return (rank if rank is not None else float("inf"), -float(item[1]))
+
+    items = sorted((top or {}).items(), key=order)
+    return items if k is None else items[:k]
 
 
 @dataclass
@@ -17,7 +50,7 @@ class CompletionOutput:
     text: str
     token_ids: List[int]
     cumulative_logprob: float
-    logprobs: Optional[List[Dict[int, float]]] = None
+    logprobs: Optional[List[Dict[int, Logprob]]] = None   # per new token: its top logprobs and its own, ranked
     finish_reason: Optional[str] = None       # "stop" | "length" | "abort" | None while running
     stop_reason: Optional[object] = None      # the stop string or stop token id that ended it
     beam_score: Optional[float] = None        # beam search: cumulative_logprob / len ** length_penalty

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from paged_backend import CompletionOutput, RequestOutput
+from paged_backend.outputs import ranked
 
 from .context import ServerContext
 from .engine_requests import (ClosingStreamingResponse, TokenInfo, final_output, finite, merge, request_outputs,
@@ -43,10 +44,6 @@ def _infos(ctx: ServerContext, comp: CompletionOutput) -> List[TokenInfo]:
     return infos
 
 
-def _ranked(top: Optional[Dict[int, float]], k: int) -> List[tuple]:
-    return sorted((top or {}).items(), key=lambda kv: kv[1], reverse=True)[:k]
-
-
 def completion_logprobs(ctx: ServerContext, infos: List[TokenInfo], offset: int) -> dict:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, logprobs, tops, offsets = [], [], [], []
@@ -54,7 +51,7 @@ def completion_logprobs(ctx: ServerContext, infos: List[TokenInfo], offset: int)
         text = ctx.decode_token(info.id)
         tokens.append(text)
         logprobs.append(info.logprob)
-        tops.append({ctx.decode_token(t): finite(lp) for t, lp in _ranked(info.top, len(info.top or {}))})
+        tops.append({ctx.decode_token(t): finite(lp) for t, lp in ranked(info.top)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -66,7 +63,7 @@ def chat_logprobs(ctx: ServerContext, infos: List[TokenInfo], k: int) -> dict:
         text = ctx.decode_token(token_id)
         return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(i.id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in _ranked(i.top, k)]}
+    return {"content": [{**entry(i.id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in ranked(i.top, k)]}
                         for i in infos]}
 
 
@@ -97,8 +94,7 @@ def _sse(payload) -> str:
 async def _run(request: Request, plan: OpenAIPlan, prefix: str) -> List[RequestOutput]:
     ctx = _ctx(request)
     rid = uuid.uuid4().hex
-    work = _gather([final_output(ctx, ids, params, f"{prefix}-{rid}-{i}")
-                    for i, (ids, params) in enumerate(zip(plan.prompts, plan.params))])
+    work = _gather([final_output(ctx, r, f"{prefix}-{rid}-{i}") for i, r in enumerate(plan.requests)])
     return await unless_disconnected(request, work)
 
 
@@ -106,8 +102,7 @@ async def _chunks(ctx: ServerContext, plan: OpenAIPlan, prefix: str, make_choice
     """The SSE chunks of a streamed request: one per sequence and engine step (the engine reports deltas:
     new tokens and settled text), then usage, then [DONE]."""
     rid = uuid.uuid4().hex
-    streams = [request_outputs(ctx, ids, params, f"{prefix}-{rid}-{i}")
-               for i, (ids, params) in enumerate(zip(plan.prompts, plan.params))]
+    streams = [request_outputs(ctx, r, f"{prefix}-{rid}-{i}") for i, r in enumerate(plan.requests)]
     usage = {"usage": None} if plan.include_usage else {}
     generated = 0
     try:

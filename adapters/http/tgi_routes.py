@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 import paged_backend
 from paged_backend import CompletionOutput
+from paged_backend.outputs import ranked
 
 from .context import ServerContext, Slot
 from .engine_requests import ClosingStreamingResponse, TokenInfo, request_outputs, token_infos, unless_disconnected
@@ -43,9 +44,8 @@ def _token(ctx: ServerContext, info: TokenInfo) -> dict:
 
 
 def _top_tokens(ctx: ServerContext, info: TokenInfo, n: int) -> List[dict]:
-    ranked = sorted((info.top or {}).items(), key=lambda kv: kv[1], reverse=True)[:n]
     return [{"id": tid, "text": ctx.decode_token(tid), "logprob": lp, "special": tid in ctx.special_ids}
-            for tid, lp in ranked]
+            for tid, lp in ranked(info.top, n)]
 
 
 def _prefill(ctx: ServerContext, plan: TGIPlan) -> List[dict]:
@@ -89,7 +89,7 @@ def _full_text(plan: TGIPlan, text: str) -> str:
 async def generate_response(ctx: ServerContext, plan: TGIPlan) -> dict:
     """Run a request to the end and shape the reply as TGI's `/generate` does."""
     seqs: Dict[int, Sequence] = {}
-    async for delta in request_outputs(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}"):
+    async for delta in request_outputs(ctx, plan.request, f"tgi-{uuid.uuid4().hex}"):
         for comp in delta.outputs:
             seqs.setdefault(comp.index, Sequence()).add(comp)
     ranked = sorted(seqs.values(), key=lambda q: q.final.cumulative_logprob, reverse=True)
@@ -113,7 +113,7 @@ async def stream_events(ctx: ServerContext, plan: TGIPlan) -> AsyncIterator[str]
     the last event carries generated_text and details."""
     seq, index = Sequence(), 0
     try:
-        async for delta in request_outputs(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}"):
+        async for delta in request_outputs(ctx, plan.request, f"tgi-{uuid.uuid4().hex}"):
             for comp in delta.outputs:  # best_of is 1 when streaming: one sequence
                 infos = seq.add(comp)
                 for k, info in enumerate(infos):
