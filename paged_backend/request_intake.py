@@ -68,6 +68,7 @@ class RequestIntake:
         self.block_manager = block_manager
         self.sliding_window = sliding_window
         self._max_prompt_chars: Optional[int] = None
+        _ = self.max_prompt_chars  # reads the whole vocabulary (a few hundred ms holding the GIL): not mid-serving
 
     @property
     def max_prompt_chars(self) -> int:

@@ -74,14 +74,22 @@ class BadWords:
         return logits
 
 
+_WORDS_PER_CALL = 128  # a batched tokenizer call holds the GIL throughout: keep each one short
+
+
+def _tokenize_words(tokenizer, texts: List[str]) -> List[List[int]]:
+    ids: List[List[int]] = []
+    for start in range(0, len(texts), _WORDS_PER_CALL):
+        ids += tokenizer(texts[start:start + _WORDS_PER_CALL], add_special_tokens=False)["input_ids"]
+    return ids
+
+
 def bad_word_sequences(tokenizer, words: Sequence[str]) -> List[List[int]]:
     """The token sequences of each word: as the text's first word and, when it tokenizes differently, after
-    a space (the same word in the middle of a text). Tokenized in two batched calls."""
+    a space (the same word in the middle of a text). Tokenized in batches of `_WORDS_PER_CALL` words."""
     stripped = [word.lstrip() for word in words]
-    if not stripped:
-        return []
-    plain_ids = tokenizer(stripped, add_special_tokens=False)["input_ids"]
-    spaced_ids = tokenizer([" " + word for word in stripped], add_special_tokens=False)["input_ids"]
+    plain_ids = _tokenize_words(tokenizer, stripped)
+    spaced_ids = _tokenize_words(tokenizer, [" " + word for word in stripped])
     sequences: List[List[int]] = []
     for plain, spaced in zip(plain_ids, spaced_ids):
         if not plain:

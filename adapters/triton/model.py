@@ -33,8 +33,9 @@ from .model_json import load_model_options
 from .placement import engine_kwargs, place
 from .repository import input_configs, output_configs
 from .request_inputs import FLAG_INPUTS, REFUSED_INPUTS, parse_generate_request
+from .trtllm_inputs import TRTLLM_TENSORS
 
-INPUT_NAMES = ("text_input", "sampling_parameters") + FLAG_INPUTS + tuple(REFUSED_INPUTS)
+INPUT_NAMES = ("text_input", "sampling_parameters") + FLAG_INPUTS + tuple(REFUSED_INPUTS) + tuple(TRTLLM_TENSORS)
 
 
 def _triton_error(error: RequestError):
@@ -84,7 +85,8 @@ class TritonPythonModel:
             if entry["name"] not in have_outputs:
                 auto_complete_model_config.add_output(entry)
         auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))
-        auto_complete_model_config.set_max_batch_size(0)
+        if not config.get("max_batch_size"):  # kept when set: 1 takes TensorRT-LLM-style [1, 1] tensors
+            auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config
 
     def initialize(self, args: Dict[str, str]) -> None:
