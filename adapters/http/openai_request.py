@@ -173,6 +173,8 @@ def _check_common(req: SamplingFields) -> None:
         if not key.strip().isdigit():
             _fail(f"`logit_bias` keys must be token ids, got {key!r}", "logit_bias")
         _range(bias, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if req.stream_options is not None and not req.stream:  # vLLM's (and OpenAI's) rule
+        _fail("`stream_options` can only be used when `stream` is true", "stream_options")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         _fail("`best_of` > `n` cannot be streamed", "best_of")
     if req.stream and req.use_beam_search:
@@ -284,7 +286,8 @@ def _template_message(message: ChatMessage, i: int) -> Dict[str, Any]:
     return rendered
 
 
-def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[str, Any]]] = None) -> str:
+def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[str, Any]]] = None,
+                continue_final_message: bool = False) -> str:
     """The conversation (and the tools, if any) rendered with the model's chat template."""
     if not req.messages:
         _fail("`messages` must not be empty", "messages")
@@ -297,7 +300,8 @@ def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[
                                     f"context can have ({ctx.engine.max_prompt_chars})", param="messages"))
     try:
         return ctx.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=continue_final_message)
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages being off
         raise ValidationFailed(f"the chat template rejected the messages: {exc}", param="messages") from None
 

@@ -190,7 +190,8 @@ def _completion_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[st
         if plan.logprobs is not None:
             logprobs = completion_logprobs(ctx, token_infos(delta), offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}]
+        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                 "stop_reason": delta.stop_reason}]
 
     return _chunks(ctx, plan, "cmpl", make_choice, _completion_header(ctx))
 
@@ -250,9 +251,11 @@ def _chat_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[str]:
         for k, piece in enumerate(pieces):
             last = k == len(pieces) - 1
             choices.append({"index": delta.index, "delta": piece, "logprobs": logprobs if last else None,
-                            "finish_reason": finish_reason if last else None})
+                            "finish_reason": finish_reason if last else None,
+                            "stop_reason": delta.stop_reason if last else None})
         if not pieces and (finish_reason is not None or (plan.logprobs is not None and delta.token_ids)):
-            choices.append({"index": delta.index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason})
+            choices.append({"index": delta.index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason,
+                            "stop_reason": delta.stop_reason})
         return choices
 
     return _chunks(ctx, plan, "chatcmpl", make_choice, _chat_header(ctx, "chat.completion.chunk"))
