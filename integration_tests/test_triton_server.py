@@ -263,6 +263,11 @@ def test_generate_endpoint_equals_llm_generate(server, reference):
     status, body = post(server, "generate", {"text_input": prompt, "parameters": GREEDY})
     assert status == 200, body
     assert json.loads(body)["text_output"] == prompt + expected
+    # values as strings, as the vLLM backend takes them: they stay request parameters (no input is named
+    # max_tokens or temperature on a max_batch_size 0 model, so Triton does not turn them into typed tensors)
+    status, body = post(server, "generate", {"text_input": prompt, "parameters": {k: str(v).lower()
+                                                                                  for k, v in GREEDY.items()}})
+    assert status == 200 and json.loads(body)["text_output"] == prompt + expected, body
     status, body = post(server, "generate", {"text_input": prompt, "exclude_input_in_output": True,
                                              "return_finish_reason": True, "return_num_output_tokens": True,
                                              "sampling_parameters": json.dumps({k: str(v) for k, v in GREEDY.items()})})

@@ -16,6 +16,7 @@ from paged_backend.adapters.triton.repository import INPUTS, install_backend, wr
 from paged_backend.adapters.triton.request_inputs import (GenerateRequest, parse_generate_request,
                                                           parse_sampling_parameters)
 from paged_backend.adapters.triton.response_outputs import StreamState, build_outputs
+from paged_backend.adapters.triton.trtllm_inputs import trtllm_input_configs
 from paged_backend.errors import UnsupportedParameter
 from paged_backend.sampling_params import RequestOutputKind
 
@@ -193,8 +194,9 @@ def test_trtllm_tensors_of_tensorrt_llm_models_map_to_vllm_names():
     ({"max_tokens": np.int32([[0]])}, None, "max_tokens must be"),
     ({"temperature": np.float32([[-1.0]])}, None, "temperature must be"),
     ({"seed": np.uint64([[1]]), "random_seed": np.uint64([[2]])}, None, "not both"),
-    ({"max_tokens": np.int32([[4]]), "sampling_parameters": text("{}")}, None, "not both"),
-    ({"max_tokens": np.int32([[4]])}, '{"temperature": 0}', "not both"),
+    ({"max_tokens": np.int32([[4]]), "sampling_parameters": text('{"max_tokens": 5}')}, None,
+     "max_tokens given both as an input tensor and in the sampling parameters"),
+    ({"temperature": np.float32([[0.0]])}, '{"temperature": 0}', "temperature given both"),
     ({"guided_decoding_guide_type": text("structural_tag"), "guided_decoding_guide": text("{}")}, None,
      "guided_decoding_guide_type='structural_tag' is not supported"),
     ({"guided_decoding_guide": text("{}")}, None, "needs guided_decoding_guide_type"),
@@ -213,12 +215,26 @@ def test_batched_requests_get_batched_outputs():
     assert arrays["num_input_tokens"].tolist() == [[3]] and arrays["num_output_tokens"].tolist() == [[2]]
 
 
-def test_the_trtllm_tensors_are_in_the_model_config():
-    names = {entry[0]: entry for entry in INPUTS}
+def test_generate_endpoint_requests_may_carry_both_tensors_and_parameters():
+    """Triton's generate endpoint turns `parameters` keys that name an input (on a max_batch_size 1 model:
+    max_tokens, temperature, ...) into tensors and leaves the others as request parameters."""
+    req = parse_generate_request({"text_input": np.array([[b"Hi"]], dtype=np.object_),
+                                  "max_tokens": np.int32([[5]]), "temperature": np.float32([[0.0]])},
+                                 '{"ignore_eos": true, "stop": ["x"]}')
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.ignore_eos, p.stop_strings) == (5, 0.0, True, ["x"])
+    assert not req.prepend_input  # a batched request: only the new text, by TensorRT-LLM's convention
+
+
+def test_the_trtllm_tensors_are_inputs_only_of_batched_models():
+    names = {entry["name"]: entry for entry in trtllm_input_configs()}
     for name, kind, dims in (("max_tokens", "TYPE_INT32", [1]), ("stop_words", "TYPE_STRING", [-1]),
                              ("temperature", "TYPE_FP32", [1]), ("seed", "TYPE_UINT64", [1]),
                              ("guided_decoding_guide", "TYPE_STRING", [1])):
-        assert names[name] == (name, kind, dims, True)
+        assert names[name] == dict(name=name, data_type=kind, dims=dims, optional=True)
+    # the vLLM backend's set stays as it is: with max_batch_size 0 a generate-endpoint parameter such as
+    # "temperature": "0.7" must stay a request parameter (a typed input tensor would refuse the string)
+    assert not set(names) & {entry[0] for entry in INPUTS}
 
 
 # ---- responses ----------------------------------------------------------------------------------

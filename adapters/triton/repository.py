@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple, Union
 
 from .model_json import MODEL_JSON, parse_model_options
-from .trtllm_inputs import TRTLLM_TENSORS
 
 BACKEND_NAME = "paged_backend"
 LAYOUTS = ("backend", "python")
@@ -36,7 +35,7 @@ INPUTS: List[Tuple[str, str, List[int], bool]] = [
     ("return_num_input_tokens", "TYPE_BOOL", [1], True),
     ("return_num_output_tokens", "TYPE_BOOL", [1], True),
     ("embedding_request", "TYPE_STRING", [1], True),
-] + [(name, kind, dims, True) for name, (_, kind, dims) in TRTLLM_TENSORS.items()]  # TensorRT-LLM-style inputs
+]
 OUTPUTS: List[Tuple[str, str, List[int]]] = [
     ("text_output", "TYPE_STRING", [-1]),
     ("finish_reason", "TYPE_STRING", [-1]),

@@ -95,6 +95,17 @@ def _single(name: str, array: Any) -> Any:
     return _decode(name, item) if isinstance(item, bytes) else item
 
 
+def _merged(values: Dict[str, Any], tensors: Dict[str, Any]) -> Dict[str, Any]:
+    """The JSON sampling parameters with the TensorRT-LLM-style tensors' values (Triton's generate endpoint
+    turns `parameters` keys that name an input into tensors, so one request may carry both); a parameter given
+    both ways is refused."""
+    both = sorted(set(values) & set(tensors))
+    if both:
+        raise ValueError(f"{', '.join(both)} given both as an input tensor and in the sampling parameters; give "
+                         f"each once")
+    return {**values, **tensors}
+
+
 def _strings(name: str, array: Any) -> List[str]:
     """The strings of a STRING tensor (one request's list, e.g. shape [1, k] or [k])."""
     items = array.reshape(-1).tolist() if hasattr(array, "reshape") else list(array)
@@ -124,19 +135,15 @@ def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = 
     extra = parse_json_object(request_parameters, "request parameters")
     flags = {name: extra.pop(name, None) for name in FLAG_INPUTS}
     stream = bool(_flag("stream", inputs, flags))
-    trtllm = has_trtllm_inputs(inputs)
-    if trtllm and (inputs.get("sampling_parameters") is not None or extra):
-        raise ValueError("give the sampling parameters either as TensorRT-LLM-style tensors (max_tokens, "
-                         "temperature, ...) or as sampling_parameters / request parameters, not both")
-    if trtllm:
-        params = _sampling_params(trtllm_values(inputs, _single, _strings), stream)
-    elif inputs.get("sampling_parameters") is not None:
-        params = parse_sampling_parameters(_single("sampling_parameters", inputs["sampling_parameters"]), stream)
+    if inputs.get("sampling_parameters") is not None:
+        values = parse_json_object(_single("sampling_parameters", inputs["sampling_parameters"]))
     else:
-        params = parse_sampling_parameters(extra, stream)
+        values = extra
+    params = _sampling_params(_merged(values, trtllm_values(inputs, _single, _strings)), stream)
+    batched = getattr(inputs["text_input"], "ndim", 1) >= 2
     exclude = _flag("exclude_input_in_output", inputs, flags)
-    # TensorRT-LLM-style requests (Triton's OpenAI frontend) expect only the new text unless they ask otherwise
-    prepend_input = (not exclude) if exclude is not None else not (stream or trtllm)
+    # TensorRT-LLM's convention (Triton's OpenAI frontend): only the new text unless the request asks otherwise
+    prepend_input = (not exclude) if exclude is not None else not (stream or batched or has_trtllm_inputs(inputs))
     if stream and prepend_input:
         raise ValueError("exclude_input_in_output=false is not allowed when streaming "
                          "(streamed responses carry only the new text)")
@@ -144,6 +151,5 @@ def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = 
         raise ValueError(f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
                          f"sequences are only known at the end")
     returns = {name: bool(_flag(name, inputs, flags)) for name in RETURN_FLAGS}
-    batched = getattr(inputs["text_input"], "ndim", 1) >= 2
     return GenerateRequest(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input,
                            batched=batched, **returns)

@@ -46,6 +46,13 @@ Single = Callable[[str, Any], Any]
 Strings = Callable[[str, Any], List[str]]
 
 
+def trtllm_input_configs() -> List[Dict[str, Any]]:
+    """The tensors above as model-config inputs (all optional). The model adds them only when its config.pbtxt
+    sets `max_batch_size`: under 0, Triton's generate endpoint would turn `parameters` keys of these names into
+    typed tensors, refusing the strings ("0.7") the vLLM backend accepts."""
+    return [dict(name=name, data_type=kind, dims=dims, optional=True) for name, (_, kind, dims) in TRTLLM_TENSORS.items()]
+
+
 def has_trtllm_inputs(inputs: Mapping[str, Any]) -> bool:
     """Whether a request carries any TensorRT-LLM-style sampling tensor."""
     return any(inputs.get(name) is not None for name in TRTLLM_TENSORS)
@@ -74,6 +81,8 @@ def trtllm_values(inputs: Mapping[str, Any], single: Single, strings: Strings) -
     """The request's TensorRT-LLM-style tensors under vLLM's names (what `sampling_params_from_dict` reads).
     Empty words in `stop_words` / `bad_words` are dropped (TensorRT-LLM clients often send [""])."""
     values: Dict[str, Any] = {}
+    if not has_trtllm_inputs(inputs):
+        return values
     for tensor, (name, _, _) in TRTLLM_TENSORS.items():
         if inputs.get(tensor) is None or name == "structured_outputs":
             continue
@@ -85,5 +94,7 @@ def trtllm_values(inputs: Mapping[str, Any], single: Single, strings: Strings) -
             values[name] = single(tensor, inputs[tensor])
     guide_type, guide = (single(t, inputs[t]) if inputs.get(t) is not None else None
                          for t in ("guided_decoding_guide_type", "guided_decoding_guide"))
-    values["structured_outputs"] = _guide(guide_type, guide)
+    structured = _guide(guide_type, guide)
+    if structured is not None:
+        values["structured_outputs"] = structured
     return values
