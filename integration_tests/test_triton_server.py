@@ -496,6 +496,12 @@ def test_engine_metrics_are_exported_under_both_names(server):
     text = metrics_text(server)
     assert re.search(rf'^vllm:request_success_total\{{finished_reason="length",model="{MODEL}",version="1"\}} '
                      rf'[1-9]', text, re.M)
+    # vLLM v1's series, and the cache configuration as an info gauge labelled with its values
+    assert vllm["inter_token_latency_seconds_count"] == values["time_per_output_token_seconds_count"]
+    assert vllm["request_prefill_time_seconds_count"] > 0 and vllm["iteration_tokens_total_count"] > 0
+    assert re.search(rf'^vllm:cache_config_info\{{[^}}]*block_size="16"[^}}]*model="{MODEL}"[^}}]*\}} 1', text, re.M) \
+        or re.search(rf'^vllm:cache_config_info\{{[^}}]*model="{MODEL}"[^}}]*block_size="16"[^}}]*\}} 1', text, re.M), \
+        [line for line in text.splitlines() if "cache_config_info" in line]
     # custom metrics are off unless config.pbtxt asks for them (vLLM's default): none for the vLLM-style model
     assert not re.search(rf'^(paged_backend|vllm):\w+\{{[^}}]*model="{VLLM_STYLE}"', text, re.M)
 
