@@ -129,7 +129,7 @@ def test_json_nested_thousands_deep_is_a_value_error(inputs, message):
     with pytest.raises(ValueError, match=message):
         parse_generate_request({"text_input": text("x"), **inputs})
     with pytest.raises(ValueError, match="nested more than"):
-        parse_generate_request({"text_input": text("x")}, '{"stop": "x", "structured_outputs": ' + json.dumps(DEEP) + "}")
+        parse_generate_request({"text_input": text("x")}, json.dumps({"stop": "x", "structured_outputs": DEEP}))
 
 
 # ---- TensorRT-LLM-style requests (Triton's OpenAI frontend) -----------------------------------------

@@ -68,7 +68,8 @@ class Commit:
 
 def _add_requests(session: EngineSession, plan: Plan) -> Dict[str, int]:
     """Queue one engine request per prompt row; request id -> row."""
-    return {session.add(b, prompt, params): b for b, (prompt, params) in enumerate(zip(plan.batch.prompts, plan.params))}
+    rows = enumerate(zip(plan.batch.prompts, plan.params))
+    return {session.add(b, prompt, params): b for b, (prompt, params) in rows}
 
 
 class SamplingRun:

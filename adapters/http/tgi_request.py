@@ -3,7 +3,8 @@ and the engine's request contract (`sampling_params_from_dict`, `validate`, `fit
 
 Decoding follows TGI: sampling when `do_sample` is true or any warper is set (`temperature` != 1,
 `top_k`, `top_p`); greedy otherwise. `best_of > 1` needs a sampling request by TGI's router rule (`do_sample`
-or any of `temperature`, `top_k`, `top_p`, `typical_p` given, `temperature: 1.0` included) and always samples. Stop sequences stay in the generated text, as in TGI.
+or any of `temperature`, `top_k`, `top_p`, `typical_p` given, `temperature: 1.0` included) and always samples.
+Stop sequences stay in the generated text, as in TGI.
 `max_new_tokens` absent means 100 (TGI's default); `null` means all that fits the context and KV cache.
 `grammar` constrains the output to a JSON schema or a regex (tgi_grammar.py).
 """

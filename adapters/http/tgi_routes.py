@@ -185,8 +185,9 @@ def model_info(ctx: ServerContext) -> dict:
         "max_stop_sequences": MAX_STOP_SEQUENCES, "max_top_n_tokens": MAX_TOP_N_TOKENS,
         "max_input_tokens": ctx.max_model_len - 1, "max_input_length": ctx.max_model_len - 1,
         "max_total_tokens": ctx.max_model_len, "max_batch_total_tokens": stats.num_blocks * stats.block_size,
-        "max_client_batch_size": 1, "validation_workers": ctx.validation_workers, "kv_cache": {"num_blocks": stats.num_blocks, "block_size": stats.block_size,
-                                                 "num_swap_blocks": stats.num_swap_blocks},
+        "max_client_batch_size": 1, "validation_workers": ctx.validation_workers,
+        "kv_cache": {"num_blocks": stats.num_blocks, "block_size": stats.block_size,
+                     "num_swap_blocks": stats.num_swap_blocks},
         "router": "paged-backend", "version": paged_backend.__version__, "sha": None, "docker_label": None,
     }
 

@@ -50,7 +50,8 @@ def trtllm_input_configs() -> List[Dict[str, Any]]:
     """The tensors above as model-config inputs (all optional). The model adds them only when its config.pbtxt
     sets `max_batch_size`: under 0, Triton's generate endpoint would turn `parameters` keys of these names into
     typed tensors, refusing the strings ("0.7") the vLLM backend accepts."""
-    return [dict(name=name, data_type=kind, dims=dims, optional=True) for name, (_, kind, dims) in TRTLLM_TENSORS.items()]
+    return [dict(name=name, data_type=kind, dims=dims, optional=True)
+            for name, (_, kind, dims) in TRTLLM_TENSORS.items()]
 
 
 def has_trtllm_inputs(inputs: Mapping[str, Any]) -> bool:
