@@ -11,6 +11,9 @@ from http_server_process import AUTH, HTTP_MODEL, HTTP_NUM_BLOCKS
 
 LONG_FOR_CONTEXT = "word " * 1100   # > 1024 tokens: longer than the model's context
 LONG_FOR_KV = "word " * 790         # < 1024 tokens but > 48 blocks x 16 tokens of KV cache
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 5000 + '{"type": "string"}' + "}}" * 5000  # as a string
+DEEP_ARRAY = "[" * 5000 + "]" * 5000
+MANY_WORDS = [f"w{i}" for i in range(4097)]  # one more than the cap on bad_words
 
 
 def _tgi(params=None, inputs="Hello there"):
@@ -56,7 +59,15 @@ TGI_CASES = [
     ("/generate_stream", _tgi({"decoder_input_details": True}), 422, "not supported when streaming"),
     ("/generate_stream", _tgi({"temperature": -1}), 422, "`temperature`"),
     ("/", {"inputs": "x", "stream": "yes"}, 422, "stream"),
+    ("/generate", _tgi({"grammar": {"type": "json", "value": DEEP_SCHEMA}}), 422,
+     "grammar is not valid: the schema is nested more than 128 levels deep"),
+    ("/generate", _tgi({"grammar": {"type": "json_schema", "value": {"name": "x", "schema": DEEP_ARRAY}}}), 422,
+     "nested more than 128 levels"),
     ("/tokenize", {"inputs": 5}, 422, "inputs"),
+    ("/tokenize", {"prompt": LONG_FOR_CONTEXT * 4}, 422, "the model's context is 1024 tokens"),
+    ("/tokenize", {"prompt": 5}, 422, "prompt"),
+    ("/detokenize", {"tokens": [10 ** 9]}, 422, "outside the tokenizer's vocabulary"),
+    ("/detokenize", {"tokens": "abc"}, 422, "tokens"),
     ("/tokenize", {"inputs": "x" * 200_000}, 422, "characters"),
     # malformed but valid JSON: never a 500
     ("/generate", b'{"inputs": "\\ud800"}', 422, "lone surrogate"),
@@ -103,7 +114,24 @@ OPENAI_CASES = [
     ("/v1/completions", _completion(stop_token_ids=[10 ** 9]), 400, "stop_token_ids", "outside the vocabulary"),
     ("/v1/completions", _completion(n=40, temperature=1, max_tokens=16), 400, "max_tokens", "KV cache"),
     ("/v1/completions", b'{"prompt": "\\ud83d", "max_tokens": 2}', 400, "prompt", "lone surrogate"),
-    ("/v1/completions", _completion(n=2, temperature=0), 400, None, "needs sampling"),
+    ("/v1/completions", _completion(n=2, temperature=0), 400, "n", "n=2 needs sampling"),
+    ("/v1/completions", _completion(stream_options={"include_usage": True}), 400, "stream_options",
+     "only be used when `stream` is true"),
+    ("/v1/completions", _completion(truncate_prompt_tokens=1025), 400, "truncate_prompt_tokens",
+     "greater than the model's context of 1024 tokens"),
+    ("/v1/completions", _completion(guided_json=DEEP_SCHEMA), 400, "guided_json", "nested more than 128 levels"),
+    ("/v1/completions", _completion(structured_outputs={"json": DEEP_SCHEMA}), 400, "structured_outputs",
+     "nested more than 128 levels"),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": DEEP_ARRAY}}), 400, "response_format", "nested more than 128 levels"),
+    ("/v1/completions", _completion(bad_words=MANY_WORDS), 400, "bad_words", "at most 4096 are accepted"),
+    ("/v1/completions", _completion(guided_choice=[str(i) for i in range(4097)]), 400, "guided_choice",
+     "at most 4096 are accepted"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "tool_calls": [{"function": "abc"}]}]), 400,
+     "messages", "messages.1.tool_calls.0.function"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "assistant", "tool_calls": [{"function": {}}]}]), 400,
+     "messages", "messages.0.tool_calls.0.function.name"),
     ("/v1/completions", _completion(best_of=1, n=2), 400, "best_of", "must be >= `n`"),
     ("/v1/completions", _completion(logit_bias={"5": 101}), 400, "logit_bias", "between -100.0 and 100.0"),
     ("/v1/completions", _completion(logit_bias={"five": 1}), 400, "logit_bias", "token ids"),

@@ -70,6 +70,45 @@ def test_tokenizing_a_large_body_leaves_the_event_loop_free(http_server, http):
     assert max(probes) < done["seconds"] / 2, (done["seconds"], probes)  # /health never waited for it
 
 
+def _probe_health_while(http, post) -> tuple:
+    """Run `post()` in a thread and time /health probes meanwhile: (response, seconds, probe times). The
+    probes time the server, not this process (its garbage collector is held off, as above)."""
+    done = {}
+
+    def run():
+        start = time.monotonic()
+        done["response"] = post()
+        done["seconds"] = time.monotonic() - start
+
+    gc.collect()
+    gc.disable()
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        probes = []
+        while thread.is_alive():
+            start = time.monotonic()
+            assert http.get("/health").status_code == 200
+            probes.append(time.monotonic() - start)
+            time.sleep(0.02)
+        thread.join()
+    finally:
+        gc.enable()
+    return done["response"], done["seconds"], probes
+
+
+def test_validating_thousands_of_bad_words_leaves_the_event_loop_free(http_server, http):
+    # 4,096 words (the cap) of ~110 characters: tokenized once, in a worker thread, never on the event loop
+    words = [f"w{i} " + "lorem ipsum dolor sit amet " * 4 for i in range(4096)]
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "bad_words": words}
+    response, seconds, probes = _probe_health_while(
+        http, lambda: httpx.post(http_server.url + "/v1/completions", json=body, headers=AUTH, timeout=120))
+    assert response.status_code == 200, response.text
+    assert len(probes) >= 3, (seconds, probes)
+    assert max(probes) < seconds / 2, (seconds, probes)  # /health never waited for it
+    wait_idle(http)
+
+
 # ---- fuzzing --------------------------------------------------------------------------------
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),

@@ -23,6 +23,7 @@ def test_health_info_models(http_server, http):
     assert info["model_id"] == HTTP_MODEL and info["model_dtype"] == "torch.float32"
     assert info["max_total_tokens"] == 1024 and info["max_input_tokens"] == 1023
     assert info["max_batch_total_tokens"] == HTTP_NUM_BLOCKS * 16
+    assert info["validation_workers"] == 2  # TGI's field: the threads that tokenize and validate requests
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [HTTP_MODEL]
 
@@ -98,6 +99,11 @@ def test_sampling_seed_and_best_of(http):
     others = best["details"]["best_of_sequences"]
     assert len(others) == 1 and isinstance(best["details"]["seed"], int)
     assert sum(t["logprob"] for t in best["details"]["tokens"]) >= sum(t["logprob"] for t in others[0]["tokens"])
+    # TGI's router takes any given temperature, 1.0 included, as a sampling request for best_of
+    plain = http.post("/generate", json={"inputs": PROMPTS[0], "parameters": {
+        "max_new_tokens": 4, "temperature": 1.0, "best_of": 2, "details": True}})
+    assert plain.status_code == 200, plain.text
+    assert len(plain.json()["details"]["best_of_sequences"]) == 1
 
 
 def _stop_across_tokens(llm, prompt, max_tokens):
@@ -125,7 +131,13 @@ def test_stop_sequences(http, http_reference):
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         chunks = sse_events(r.iter_lines())
     assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text[:cut]  # nothing of the stop leaks
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"][0]["stop_reason"] == stop
+    assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1])
+    chat = {"model": HTTP_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+        last = [c for c in sse_events(r.iter_lines()) if c["choices"]][-1]["choices"][0]
+    assert last["finish_reason"] == "length" and "stop_reason" in last and last["stop_reason"] is None
 
 
 def test_openai_completions_equal_llm(http, http_reference):
@@ -278,3 +290,43 @@ def test_tokenize(http, http_reference):
     tokens = http.post("/tokenize", json={"inputs": "Hello world"}).json()
     assert [t["id"] for t in tokens] == http_reference.get_tokenizer()("Hello world")["input_ids"]
     assert [t["text"] for t in tokens] == ["Hello", " world"] and tokens[1]["start"] == 5
+
+
+def test_vllm_tokenize_and_detokenize(http, http_reference):
+    tok = http_reference.get_tokenizer()
+    plain = http.post("/tokenize", json={"model": HTTP_MODEL, "prompt": "Hello world"}).json()
+    assert plain == {"count": len(tok("Hello world")["input_ids"]), "max_model_len": 1024,
+                     "tokens": tok("Hello world")["input_ids"], "token_strs": None}
+    strs = http.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
+                                        "return_token_strs": True}).json()
+    assert strs["tokens"] == tok("Hello world", add_special_tokens=False)["input_ids"]
+    assert strs["token_strs"] == tok.convert_ids_to_tokens(strs["tokens"])
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == chat_ids(http_reference, messages) and chat["count"] == len(chat["tokens"])
+    back = http.post("/detokenize", json={"model": HTTP_MODEL, "tokens": strs["tokens"]}).json()
+    assert back == {"prompt": "Hello world"}
+
+
+def test_vllm_v1_metric_series(http):
+    """vLLM v1's series the engine fills, under vLLM's names and label."""
+    before = wait_idle(http)
+    body = {"prompt": "A series of metrics, please. " * 8, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    assert http.post("/v1/completions", json=body).status_code == 200  # the same prompt: prefix-cache hits
+    m = wait_idle(http)
+    label = "{model_name=tiny-llama}"
+    grew = lambda name: m[f"vllm:{name}{label}"] - before.get(f"vllm:{name}{label}", 0.0)  # noqa: E731
+    assert grew("prefix_cache_queries_total") >= grew("prefix_cache_hits_total") > 0
+    assert grew("prefix_cache_hits_total") % 16 == 0  # whole blocks of 16 tokens, counted in tokens
+    assert m["vllm:prompt_tokens_cached_total" + label] == m["paged_backend:cached_prompt_tokens_total"]
+    assert m["vllm:inter_token_latency_seconds_count" + label] == m["paged_backend:time_per_output_token_seconds_count"]
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert grew(name + "_count") == 2, name
+        assert m[f"vllm:{name}_sum{label}"] >= 0, name
+    assert grew("request_max_num_generation_tokens_sum") == 10 and grew("request_params_max_tokens_sum") == 10
+    assert grew("iteration_tokens_total_count") >= 2 * 5  # at least one step per generated token
+    info = [k for k in m if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and m[info[0]] == 1.0
+    assert f"num_gpu_blocks={HTTP_NUM_BLOCKS}" in info[0] and "block_size=16" in info[0]

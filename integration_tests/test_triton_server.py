@@ -42,6 +42,8 @@ TYPO = "typo_llm"
 TP = "tp_llm"
 PY_LAYOUT = "py_llm"
 STRUCTURED = "structured_llm"
+TRTLLM_STYLE = "trtllm_style"  # max_batch_size 1: takes the [1, 1] tensors of Triton's OpenAI frontend
+DEEP = "[" * 5000 + "]" * 5000
 NUM_BLOCKS = 96
 PROMPTS = ["The capital of France is", "Paged attention splits the KV cache", "Hello"]
 # Triton's vLLM backend documentation: samples/model_repository/vllm_model/{config.pbtxt,1/model.json}, with
@@ -77,6 +79,9 @@ def server(tmp_path_factory):
                                       "tensor_parallel_size": 2})
     write_model_repository(repo, PY_LAYOUT, {"model": "tiny-llama", "dtype": "float32", "num_blocks": 16},
                            layout="python")
+    write_model_repository(repo, TRTLLM_STYLE, {"model": "tiny-llama", "dtype": "float32", "num_blocks": 32})
+    config = repo / TRTLLM_STYLE / "config.pbtxt"
+    config.write_text(config.read_text() + "max_batch_size: 1\n")  # the one line docs/triton.md asks for
     write_model_repository(repo, STRUCTURED, {"model": "smollm2", "dtype": "float32", "kv_cache_memory": "192MiB",
                                               "max_num_seqs": 32})
     # several models finalize at SIGTERM on a shared 2-core machine: give them more than the usual 5 s
@@ -258,6 +263,11 @@ def test_generate_endpoint_equals_llm_generate(server, reference):
     status, body = post(server, "generate", {"text_input": prompt, "parameters": GREEDY})
     assert status == 200, body
     assert json.loads(body)["text_output"] == prompt + expected
+    # values as strings, as the vLLM backend takes them: they stay request parameters (no input is named
+    # max_tokens or temperature on a max_batch_size 0 model, so Triton does not turn them into typed tensors)
+    status, body = post(server, "generate", {"text_input": prompt, "parameters": {k: str(v).lower()
+                                                                                  for k, v in GREEDY.items()}})
+    assert status == 200 and json.loads(body)["text_output"] == prompt + expected, body
     status, body = post(server, "generate", {"text_input": prompt, "exclude_input_in_output": True,
                                              "return_finish_reason": True, "return_num_output_tokens": True,
                                              "sampling_parameters": json.dumps({k: str(v) for k, v in GREEDY.items()})})
@@ -360,6 +370,8 @@ def test_cancelled_stream_frees_its_blocks(server):
     ("Hi", {"frobnicate": 1}, {}, "unsupported sampling parameter"),
     ("word " * 2000, {"max_tokens": 2}, {}, "tokens"),
     ("Hi", GREEDY, {"exclude_input_in_output": False}, "streaming"),
+    ("Hi", {"structured_outputs": json.dumps({"json": DEEP})}, {}, "nested more than 128 levels"),
+    ("Hi", '{"stop": ' * 5000 + "1" + "}" * 5000, {}, "sampling_parameters is nested more than"),
 ])
 def test_bad_input_fails_only_that_request(server, reference, prompt, params, flags, message):
     stream = StreamClient(server)
@@ -376,11 +388,81 @@ def test_bad_input_fails_only_that_request(server, reference, prompt, params, fl
     assert status == 400 and "temperature" in json.loads(body)["error"]
     status, body = post(server, "generate", {"parameters": {"max_tokens": 2}})
     assert status == 400 and "text_input" in json.loads(body)["error"]
+    status, body = post(server, "generate", {"text_input": "Hi",
+                                             "parameters": {"guided_decoding": json.dumps({"json": DEEP})}})
+    assert status == 400 and "nested more than 128 levels" in json.loads(body)["error"]  # INVALID_ARG, not INTERNAL
     client = httpclient.InferenceServerClient(server.http_url)
     try:
         assert client.is_model_ready(MODEL)
     finally:
         client.close()
+
+
+def frontend_inputs(prompt: str, stream: bool, max_tokens: int, echo: Optional[bool] = None, **floats) -> list:
+    """The request of Triton's OpenAI frontend for a backend not named "vllm", tensor for tensor
+    (`_create_trtllm_generate_request` in triton-inference-server/server python/openai/openai_frontend/engine/
+    utils/triton.py): [1, 1] shapes, INT32 max_tokens, FP32 sampling values, UINT64 seed, BYTES stop_words."""
+    inputs = []
+
+    def add(name, array, dtype):
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+
+    add("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES")
+    add("stream", np.bool_([[stream]]), "BOOL")
+    add("max_tokens", np.int32([[max_tokens]]), "INT32")
+    stop = floats.pop("stop", None)
+    if stop:
+        add("stop_words", np.array([[s.encode() for s in stop]], dtype=np.object_), "BYTES")
+    for name in ("top_p", "frequency_penalty", "presence_penalty", "temperature"):
+        if floats.get(name) is not None:
+            add(name, np.float32([[floats[name]]]), "FP32")
+    if floats.get("seed") is not None:
+        add("seed", np.uint64([[floats["seed"]]]), "UINT64")
+    if echo is not None:  # completions with `echo`, for a model with an exclude_input_in_output input
+        add("exclude_input_in_output", np.bool_([[not echo]]), "BOOL")
+    add("return_num_input_tokens", np.bool_([[True]]), "BOOL")
+    add("return_num_output_tokens", np.bool_([[True]]), "BOOL")
+    return inputs
+
+
+def test_the_openai_frontends_requests_are_served(server, reference):
+    """Triton's OpenAI frontend sends TensorRT-LLM-style [1, 1] tensors to every backend not named vllm; a model
+    whose config.pbtxt says `max_batch_size: 1` takes them."""
+    control = httpclient.InferenceServerClient(server.http_url)
+    control.load_model(TRTLLM_STYLE)
+    stream = StreamClient(server, model=TRTLLM_STYLE)
+    try:
+        names = {entry["name"] for entry in control.get_model_metadata(TRTLLM_STYLE)["inputs"]}
+        assert {"max_tokens", "stop_words", "temperature", "top_p", "seed", "guided_decoding_guide"} <= names
+        prompt = PROMPTS[0]
+        greedy = expected_text(reference, prompt, temperature=0, max_tokens=8)[0]
+        # a chat request, not streamed: one final response with only the new text, [1, 1] shaped
+        stream.send("chat", frontend_inputs(prompt, False, 8, temperature=0.0, top_p=1.0))
+        (result,) = stream.wait("chat")
+        assert result.as_numpy("text_output").shape == (1, 1)
+        assert result.as_numpy("text_output")[0, 0].decode() == greedy
+        assert result.as_numpy("num_input_tokens").tolist() == [[len(reference.get_tokenizer()(prompt)["input_ids"])]]
+        # streamed, with a stop word: deltas that add up to the same text cut at the stop
+        stop = greedy[len(greedy) // 2: len(greedy) // 2 + 3]
+        stream.send("streamed", frontend_inputs(prompt, True, 8, temperature=0.0, stop=[stop], seed=7,
+                                                frequency_penalty=0.0, presence_penalty=0.0))
+        results = stream.wait("streamed")
+        assert len(results) > 1
+        assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in results) == greedy[: greedy.find(stop)]
+        # a completion with echo: the prompt comes first
+        stream.send("echo", frontend_inputs(prompt, False, 8, echo=True, temperature=0.0))
+        (echoed,) = stream.wait("echo")
+        assert echoed.as_numpy("text_output")[0, 0].decode() == prompt + greedy
+        # TensorRT-LLM's generate-endpoint style: top-level tensors
+        status, body = post(server, "generate", {"text_input": prompt, "max_tokens": 8, "temperature": 0.0},
+                            model=TRTLLM_STYLE)
+        assert status == 200 and json.loads(body)["text_output"] == greedy, body
+    finally:
+        stream.close()
+        control.unload_model(TRTLLM_STYLE)
+        control.close()
 
 
 def test_invalid_engine_options_fail_model_loading(server):
@@ -414,6 +496,12 @@ def test_engine_metrics_are_exported_under_both_names(server):
     text = metrics_text(server)
     assert re.search(rf'^vllm:request_success_total\{{finished_reason="length",model="{MODEL}",version="1"\}} '
                      rf'[1-9]', text, re.M)
+    # vLLM v1's series, and the cache configuration as an info gauge labelled with its values
+    assert vllm["inter_token_latency_seconds_count"] == values["time_per_output_token_seconds_count"]
+    assert vllm["request_prefill_time_seconds_count"] > 0 and vllm["iteration_tokens_total_count"] > 0
+    assert re.search(rf'^vllm:cache_config_info\{{[^}}]*block_size="16"[^}}]*model="{MODEL}"[^}}]*\}} 1', text, re.M) \
+        or re.search(rf'^vllm:cache_config_info\{{[^}}]*model="{MODEL}"[^}}]*block_size="16"[^}}]*\}} 1', text, re.M), \
+        [line for line in text.splitlines() if "cache_config_info" in line]
     # custom metrics are off unless config.pbtxt asks for them (vLLM's default): none for the vLLM-style model
     assert not re.search(rf'^(paged_backend|vllm):\w+\{{[^}}]*model="{VLLM_STYLE}"', text, re.M)
 

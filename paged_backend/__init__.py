@@ -8,12 +8,12 @@ tensor-parallel worker process imports `paged_backend.worker...`) does not impor
 from __future__ import annotations
 
 import importlib
-from typing import Dict
+from typing import Dict, Tuple, Union
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_PUBLIC: Dict[str, str] = {
+# public name -> module that defines it (or (module, its name there))
+_PUBLIC: Dict[str, Union[str, Tuple[str, str]]] = {
     # the engine API (vLLM's names)
     "LLM": "paged_backend.engine.llm",
     "LLMEngine": "paged_backend.engine.llm_engine",
@@ -25,11 +25,17 @@ _PUBLIC: Dict[str, str] = {
     "GuidedDecodingParams": "paged_backend.structured.params",
     "CompletionOutput": "paged_backend.engine.outputs",
     "RequestOutput": "paged_backend.engine.outputs",
+    "Logprob": "paged_backend.sampling.logprob",
+    "ValidatedRequest": "paged_backend.engine.request_intake",
     "EngineStats": "paged_backend.engine.metrics",
     # what every front shares: the request-parameter table, typed readers, streaming text, metrics
     "sampling_params_from_dict": "paged_backend.engine.request_params",
     "SAMPLING_PARAMETERS": "paged_backend.engine.request_params",
     "CONSTRAINT_FIELDS": "paged_backend.structured.params",
+    "MAX_SCHEMA_DEPTH": "paged_backend.structured.params",
+    "load_json": ("paged_backend.structured.bounded_json", "loads"),
+    "check_json_depth": ("paged_backend.structured.bounded_json", "check_depth"),
+    "ranked_logprobs": ("paged_backend.engine.outputs", "ranked"),
     "to_bool": "paged_backend.engine.coerce",
     "to_int": "paged_backend.engine.coerce",
     "to_float": "paged_backend.engine.coerce",
@@ -40,6 +46,8 @@ _PUBLIC: Dict[str, str] = {
     "COUNTER": "paged_backend.engine.metrics_table",
     "GAUGE": "paged_backend.engine.metrics_table",
     "HISTOGRAM": "paged_backend.engine.metrics_table",
+    "INFO": "paged_backend.engine.metrics_table",
+    "info_labels": "paged_backend.engine.metrics_table",
     "HISTOGRAM_BUCKETS": "paged_backend.engine.metrics",
     "histogram": "paged_backend.engine.metrics_table",
     "labelled_values": "paged_backend.engine.metrics_table",
@@ -60,10 +68,11 @@ __all__ = sorted(_PUBLIC) + ["__version__"]
 
 
 def __getattr__(name: str):
-    module = _PUBLIC.get(name)
-    if module is None:
+    where = _PUBLIC.get(name)
+    if where is None:
         raise AttributeError(f"module 'paged_backend' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
 

@@ -13,6 +13,11 @@ from paged_backend.structured.params import StructuredOutputsParams, structured_
 
 _EPS = 1e-6
 _INT64 = 2 ** 63
+# Bounds on the per-request lists whose cost grows with their size every step (stop strings are searched in
+# the new text, bad words tokenized once and matched each step); far above what vLLM or TGI users send.
+MAX_STOP_STRINGS = 256
+MAX_BAD_WORDS = 4096
+MAX_STRING_CHARS = 1024  # characters of one stop string or bad word
 
 
 def _is_int(value) -> bool:
@@ -25,6 +30,21 @@ def _is_number(value) -> bool:
 
 def _bad(name: str, message: str) -> InvalidParameter:
     return InvalidParameter(message, param=name)
+
+
+def _short(value, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters (a refused list may hold thousands of items)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _check_strings(name: str, strings: List[str], limit: int) -> None:
+    """At most `limit` strings of at most MAX_STRING_CHARS characters each."""
+    if len(strings) > limit:
+        raise _bad(name, f"{name} has {len(strings)} entries; at most {limit} are accepted")
+    longest = max((len(s) for s in strings), default=0)
+    if longest > MAX_STRING_CHARS:
+        raise _bad(name, f"{name} has an entry of {longest} characters; at most {MAX_STRING_CHARS} are accepted")
 
 
 class RequestOutputKind(enum.Enum):
@@ -135,15 +155,20 @@ class SamplingParams:
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise _bad(name, f"{name} must be in [-2, 2], got {value!r}")
         if self.is_greedy and self.best_of > 1 and self.beam_width == 1:
+            if self.n > 1:  # vLLM names n: best_of only follows it
+                raise _bad("n", f"n={self.n} needs sampling: greedy (temperature=0) gives one answer")
             raise _bad("best_of", f"best_of={self.best_of} needs sampling: greedy (temperature=0) gives one answer")
 
     def _check_stops(self) -> None:
         if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
-            raise _bad("stop", f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            raise _bad("stop", f"stop must be a non-empty string or a list of non-empty strings, got "
+                               f"{_short(self.stop)}")
+        _check_strings("stop", self.stop_strings, MAX_STOP_STRINGS)
         if self.stop_strings and not self.detokenize:
             raise _bad("stop", "stop strings need detokenize=True (they are matched on the text)")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise _bad("stop_token_ids", f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise _bad("stop_token_ids", f"stop_token_ids must be non-negative integers, got "
+                                         f"{_short(self.stop_token_ids)}")
 
     def _check_structured_outputs(self) -> None:
         if self.guided_decoding is not None:
@@ -183,16 +208,18 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict) or any(
                     not _is_int(k) or k < 0 or not _is_number(v) for k, v in self.logit_bias.items()):
                 raise _bad("logit_bias", f"logit_bias must map token ids (integers >= 0) to finite numbers, "
-                                         f"got {self.logit_bias!r}")
+                                         f"got {_short(self.logit_bias)}")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids or any(not _is_int(t) or t < 0 for t in ids):
-                raise _bad("allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+                raise _bad("allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids, got "
+                                                f"{_short(ids)}")
             self.allowed_token_ids = list(ids)
         if self.bad_words is not None:
             words = self.bad_words
             if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in words):
-                raise _bad("bad_words", f"bad_words must be a list of non-empty strings, got {words!r}")
+                raise _bad("bad_words", f"bad_words must be a list of non-empty strings, got {_short(words)}")
+            _check_strings("bad_words", words, MAX_BAD_WORDS)
             if words and not self.detokenize:
                 raise _bad("bad_words", "bad_words need detokenize=True (the words are tokenized)")
             self.bad_words = list(words)

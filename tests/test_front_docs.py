@@ -13,6 +13,7 @@ from paged_backend.adapters.http.openai_request import ChatRequest, CompletionRe
 from paged_backend.adapters.http.tgi_request import TGIParameters
 from paged_backend.adapters.triton.model_json import OPTION_NAMES
 from paged_backend.adapters.triton.repository import INPUTS, OUTPUTS
+from paged_backend.adapters.triton.trtllm_inputs import TRTLLM_TENSORS
 from paged_backend.engine.metrics_table import METRICS
 from paged_backend.engine.request_params import SAMPLING_PARAMETERS
 
@@ -27,7 +28,7 @@ def _doc(name: str) -> str:
 @pytest.mark.parametrize("names, doc", [
     (sorted(SAMPLING_PARAMETERS), "triton.md"),
     (sorted(OPTION_NAMES), "triton.md"),
-    ([name for name, *_ in INPUTS] + [name for name, *_ in OUTPUTS], "triton.md"),
+    ([name for name, *_ in INPUTS] + [name for name, *_ in OUTPUTS] + sorted(TRTLLM_TENSORS), "triton.md"),
     (sorted(TGIParameters.model_fields), "http.md"),
     (sorted(set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)), "http.md"),
     ([spec.sample_name for spec in METRICS], "metrics.md"),

@@ -124,13 +124,92 @@ def test_generate_stream_events_and_output(gpt2):
 def test_closing_a_stream_early_frees_its_blocks(gpt2):
     model, tok = gpt2
     enc = left_padded(tok)
+    alone = model.generate(**enc, max_new_tokens=2)
     stream = model.generate_stream(**enc, max_new_tokens=30)
     next(stream), next(stream)
-    with pytest.raises(RuntimeError, match="still running"):
-        model.generate(**enc, max_new_tokens=2)  # same thread, stream not finished
+    assert torch.equal(model.generate(**enc, max_new_tokens=2), alone)  # same thread, stream not finished
     stream.close()
     assert_no_leaks(model.paged_engine)
     assert model.generate(**enc, max_new_tokens=2).shape[1] == enc.input_ids.shape[1] + 2
+
+
+def test_an_unfinished_stream_in_one_thread_does_not_block_generate_in_another(gpt2):
+    model, tok = gpt2
+    enc = left_padded(tok)
+    expected = model.generate(**enc, max_new_tokens=5)
+    streamed = model.generate(**enc, max_new_tokens=12)
+    started, release, events = threading.Event(), threading.Event(), []
+
+    def reader():
+        stream = model.generate_stream(**enc, max_new_tokens=12)
+        events.append(next(stream))
+        started.set()
+        release.wait(120)  # holds the stream open, unfinished
+        events.extend(stream)
+        events.append(stream.output)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        assert started.wait(120)
+        result = {}
+        worker = threading.Thread(target=lambda: result.setdefault("out", model.generate(**enc, max_new_tokens=5)))
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "generate waited for another thread's unfinished stream"
+        assert torch.equal(result["out"], expected)
+    finally:
+        release.set()
+        thread.join(timeout=120)
+    assert torch.equal(events[-1], streamed)  # the stream went on unchanged afterwards
+
+
+def test_an_attached_model_stays_copyable_and_picklable(gpt2):
+    import copy
+    import io
+    import pickle
+
+    model, tok = gpt2
+    enc = left_padded(tok)
+    expected = model.generate(**enc, max_new_tokens=4)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), copy.copy(model)):
+        assert not is_attached(clone) and "generate" not in clone.__dict__ and "paged_engine" not in clone.__dict__
+        assert torch.equal(hf_generate(clone, **enc, max_new_tokens=4, do_sample=False), expected)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    assert is_attached(model) and torch.equal(model.generate(**enc, max_new_tokens=4), expected)
+
+
+def _set_mode(model, mode: str) -> None:
+    model.train(mode != "eval")
+    if mode == "mixed":
+        model.transformer.h[0].eval()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "mixed"])
+def test_attach_and_detach_leave_training_as_they_found_it(mode):
+    model, tok = get_model("tiny-gpt2", torch.float64)  # shared with other tests: put back in eval mode after
+    _set_mode(model, mode)
+    flags = {name: m.training for name, m in model.named_modules()}
+    try:
+        _check_training_kept(model, tok, mode, flags)
+    finally:
+        model.eval()
+
+
+def _check_training_kept(model, tok, mode: str, flags: dict) -> None:
+    attach(model, tokenizer=tok, num_blocks=32, block_size=8)
+    try:
+        assert {name: m.training for name, m in model.named_modules()} == flags
+        enc = left_padded(tok)
+        out = model.generate(**enc, max_new_tokens=3)  # runs with dropout off, whatever the mode
+        assert {name: m.training for name, m in model.named_modules()} == flags
+        model.eval()
+        assert torch.equal(hf_generate(model, **enc, max_new_tokens=3, do_sample=False), out)
+        _set_mode(model, mode)
+    finally:
+        detach(model)
+    assert {name: m.training for name, m in model.named_modules()} == flags
 
 
 def test_sampling_with_a_seed_is_reproducible(gpt2):

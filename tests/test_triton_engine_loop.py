@@ -126,6 +126,40 @@ def test_vllm_default_of_16_new_tokens(service):
     assert sum(int(a["num_output_tokens"][0]) for a, _, _ in streamed.responses) == 16
 
 
+class TimedRequest(FakeRequest):
+    """Also records when each response arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times = []
+
+    def send(self, arrays, error, final) -> None:
+        self.times.append(time.monotonic())
+        super().send(arrays, error, final)
+
+
+def test_admitting_a_heavy_request_does_not_stall_other_streams(service):
+    """Tokenizing 4,096 long bad words (twice each) takes a while: it happens once, in a worker thread, while
+    the loop goes on streaming the other requests' tokens."""
+    words = [f"w{i} " + "lorem ipsum dolor sit amet " * 4 for i in range(4096)]
+    running = TimedRequest()
+    service.submit(generate_request("stream on", True, temperature=0.0, max_tokens=400, ignore_eos=True), running)
+    deadline = time.monotonic() + 30
+    while len(running.responses) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    heavy = TimedRequest()
+    submitted = time.monotonic()
+    service.submit(generate_request("heavy", temperature=0.0, max_tokens=2, bad_words=words), heavy)
+    (arrays, error, final), = heavy.wait(120)
+    assert error is None and final
+    admitted = heavy.times[0] - submitted
+    during = [t for t in running.times if submitted <= t <= heavy.times[0]]
+    gaps = [b - a for a, b in zip([submitted] + during, during + [heavy.times[0]])]
+    running.cancel()
+    running.wait()
+    assert len(during) >= 3 and max(gaps) < admitted / 2, (admitted, len(during), max(gaps))
+
+
 def test_cancelled_request_is_aborted_and_frees_its_blocks(service):
     request = FakeRequest()
     service.submit(generate_request("cancel me", True, temperature=0.0, max_tokens=400, ignore_eos=True), request)

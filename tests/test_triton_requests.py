@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from paged_backend import CompletionOutput, RequestOutput
+from paged_backend.engine.outputs import Logprob
 from paged_backend.adapters.triton.model_json import load_model_options, parse_model_options
 from paged_backend.adapters.triton.placement import Placement, engine_kwargs, place
-from paged_backend.adapters.triton.repository import install_backend, write_model_repository
+from paged_backend.adapters.triton.repository import INPUTS, install_backend, write_model_repository
 from paged_backend.adapters.triton.request_inputs import (GenerateRequest, parse_generate_request,
                                                           parse_sampling_parameters)
 from paged_backend.adapters.triton.response_outputs import StreamState, build_outputs
+from paged_backend.adapters.triton.trtllm_inputs import trtllm_input_configs
 from paged_backend.errors import UnsupportedParameter
 from paged_backend.sampling_params import RequestOutputKind
 
@@ -114,6 +116,127 @@ def test_bad_requests_raise_clear_errors(inputs, params, message):
         parse_generate_request(inputs, params)
 
 
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"sampling_parameters": text(json.dumps({"structured_outputs": json.dumps({"json": DEEP})}))}, "nested more than"),
+    ({"sampling_parameters": text(json.dumps({"guided_decoding": {"json": DEEP}}))}, "nested more than"),
+    ({"sampling_parameters": text('{"a": ' * 5000 + "1" + "}" * 5000)}, "sampling_parameters is nested more than"),
+])
+def test_json_nested_thousands_deep_is_a_value_error(inputs, message):
+    """A ValueError is answered INVALID_ARG (a RecursionError was INTERNAL)."""
+    with pytest.raises(ValueError, match=message):
+        parse_generate_request({"text_input": text("x"), **inputs})
+    with pytest.raises(ValueError, match="nested more than"):
+        parse_generate_request({"text_input": text("x")}, json.dumps({"stop": "x", "structured_outputs": DEEP}))
+
+
+# ---- TensorRT-LLM-style requests (Triton's OpenAI frontend) -----------------------------------------
+def frontend_inputs(prompt: str, stream: bool, max_tokens: int = 16, stop=None, top_p=None, frequency_penalty=None,
+                    presence_penalty=None, seed=None, temperature=None, echo=None, guided_json=None) -> dict:
+    """The tensors of `_create_trtllm_generate_request` in triton-inference-server/server
+    (python/openai/openai_frontend/engine/utils/triton.py), shapes and dtypes as it builds them."""
+    inputs = {"text_input": np.array([[prompt]], dtype=np.object_), "stream": np.bool_([[stream]]),
+              "max_tokens": np.int32([[max_tokens]])}
+    if stop:
+        inputs["stop_words"] = np.array([stop if isinstance(stop, list) else [stop]], dtype=np.object_)
+    for name, value, kind in (("top_p", top_p, np.float32), ("frequency_penalty", frequency_penalty, np.float32),
+                              ("presence_penalty", presence_penalty, np.float32), ("seed", seed, np.uint64),
+                              ("temperature", temperature, np.float32)):
+        if value is not None:
+            inputs[name] = kind([[value]])
+    if echo is not None:
+        inputs["exclude_input_in_output"] = np.bool_([[not echo]])
+    if guided_json is not None:
+        inputs["guided_decoding_guide_type"] = np.array([["json_schema"]], dtype=np.object_)
+        inputs["guided_decoding_guide"] = np.array([[guided_json]], dtype=np.object_)
+    inputs["return_num_input_tokens"] = np.bool_([[True]])
+    inputs["return_num_output_tokens"] = np.bool_([[True]])
+    return inputs
+
+
+def test_the_openai_frontends_trtllm_requests_are_understood():
+    chat = parse_generate_request(frontend_inputs("<|user|>Hi", False, max_tokens=7, stop=["\n", "END"], top_p=0.5,
+                                                  frequency_penalty=0.25, presence_penalty=-0.5, seed=42,
+                                                  temperature=0.0))
+    p = chat.params
+    assert chat.prompt == "<|user|>Hi" and not chat.stream and not chat.prepend_input and chat.batched
+    assert (p.max_tokens, p.stop_strings, p.top_p, p.seed, p.temperature) == (7, ["\n", "END"], 0.5, 42, 0.0)
+    assert (p.frequency_penalty, p.presence_penalty) == (0.25, -0.5)
+    assert p.output_kind == RequestOutputKind.FINAL_ONLY and chat.return_num_input_tokens
+    streamed = parse_generate_request(frontend_inputs("Hi", True))
+    assert streamed.stream and not streamed.prepend_input and streamed.params.output_kind == RequestOutputKind.DELTA
+    echoed = parse_generate_request(frontend_inputs("Hi", False, echo=True))
+    assert echoed.prepend_input  # completions with echo: the prompt comes back first
+    schema = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+    tool = parse_generate_request(frontend_inputs("Hi", False, guided_json=schema))
+    assert tool.params.structured_outputs.schema == json.loads(schema)
+
+
+def test_trtllm_tensors_of_tensorrt_llm_models_map_to_vllm_names():
+    req = parse_generate_request({"text_input": text("Hi"), "top_k": np.int32([3]), "random_seed": np.uint64([7]),
+                                  "repetition_penalty": np.float32([1.25]), "bad_words": np.array([b"foo", b""],
+                                                                                                   dtype=np.object_),
+                                  "stop_words": np.array([b""], dtype=np.object_), "min_tokens": np.int32([2]),
+                                  "num_return_sequences": np.int32([2]), "temperature": np.float32([1.0])})
+    p = req.params
+    assert (p.top_k, p.seed, p.repetition_penalty, p.bad_words, p.stop_strings, p.min_tokens, p.n) == \
+        (3, 7, 1.25, ["foo"], [], 2, 2)
+    assert not req.prepend_input and not req.batched
+    assert parse_generate_request({"text_input": text("Hi"), "guided_decoding_guide_type": text("json")}
+                                  ).params.structured_outputs.json_object
+    assert parse_generate_request({"text_input": text("Hi"), "guided_decoding_guide_type": text("regex"),
+                                   "guided_decoding_guide": text("[ab]+")}).params.structured_outputs.regex == "[ab]+"
+
+
+@pytest.mark.parametrize("inputs, params, message", [
+    ({"max_tokens": np.int32([[0]])}, None, "max_tokens must be"),
+    ({"temperature": np.float32([[-1.0]])}, None, "temperature must be"),
+    ({"seed": np.uint64([[1]]), "random_seed": np.uint64([[2]])}, None, "not both"),
+    ({"max_tokens": np.int32([[4]]), "sampling_parameters": text('{"max_tokens": 5}')}, None,
+     "max_tokens given both as an input tensor and in the sampling parameters"),
+    ({"temperature": np.float32([[0.0]])}, '{"temperature": 0}', "temperature given both"),
+    ({"guided_decoding_guide_type": text("structural_tag"), "guided_decoding_guide": text("{}")}, None,
+     "guided_decoding_guide_type='structural_tag' is not supported"),
+    ({"guided_decoding_guide": text("{}")}, None, "needs guided_decoding_guide_type"),
+    ({"guided_decoding_guide_type": text("json_schema")}, None, "needs guided_decoding_guide"),
+    ({"max_tokens": np.int32([[4], [5]])}, None, "exactly one element"),
+])
+def test_bad_trtllm_requests_raise_clear_errors(inputs, params, message):
+    with pytest.raises(ValueError, match=message):
+        parse_generate_request({"text_input": np.array([[b"x"]], dtype=np.object_), **inputs}, params)
+
+
+def test_batched_requests_get_batched_outputs():
+    req = parse_generate_request(frontend_inputs("P:", False))
+    arrays = build_outputs(req, _delta({0: ("ab", [7, 9])}, True), StreamState())
+    assert arrays["text_output"].shape == (1, 1) and arrays["text_output"][0, 0] == b"ab"
+    assert arrays["num_input_tokens"].tolist() == [[3]] and arrays["num_output_tokens"].tolist() == [[2]]
+
+
+def test_generate_endpoint_requests_may_carry_both_tensors_and_parameters():
+    """Triton's generate endpoint turns `parameters` keys that name an input (on a max_batch_size 1 model:
+    max_tokens, temperature, ...) into tensors and leaves the others as request parameters."""
+    req = parse_generate_request({"text_input": np.array([[b"Hi"]], dtype=np.object_),
+                                  "max_tokens": np.int32([[5]]), "temperature": np.float32([[0.0]])},
+                                 '{"ignore_eos": true, "stop": ["x"]}')
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.ignore_eos, p.stop_strings) == (5, 0.0, True, ["x"])
+    assert not req.prepend_input  # a batched request: only the new text, by TensorRT-LLM's convention
+
+
+def test_the_trtllm_tensors_are_inputs_only_of_batched_models():
+    names = {entry["name"]: entry for entry in trtllm_input_configs()}
+    for name, kind, dims in (("max_tokens", "TYPE_INT32", [1]), ("stop_words", "TYPE_STRING", [-1]),
+                             ("temperature", "TYPE_FP32", [1]), ("seed", "TYPE_UINT64", [1]),
+                             ("guided_decoding_guide", "TYPE_STRING", [1])):
+        assert names[name] == dict(name=name, data_type=kind, dims=dims, optional=True)
+    # the vLLM backend's set stays as it is: with max_batch_size 0 a generate-endpoint parameter such as
+    # "temperature": "0.7" must stay a request parameter (a typed input tensor would refuse the string)
+    assert not set(names) & {entry[0] for entry in INPUTS}
+
+
 # ---- responses ----------------------------------------------------------------------------------
 def _delta(pieces, finished, prompt="P:", reasons=None, logprobs=None):
     """An engine output: pieces maps a sequence index to (text, token ids)."""
@@ -157,14 +280,15 @@ def test_the_final_response_prepends_the_prompt_and_returns_everything_asked():
 def test_logprobs_come_back_as_vllm_shapes_them():
     req = GenerateRequest(prompt="P", params=parse_sampling_parameters('{"logprobs": 1}'), return_logprobs=True,
                           prepend_input=False)
-    # token 7 was the most likely; token 9 was sampled although token 8 ranked first
-    tops = [{7: -0.1}, {8: -0.2, 9: -2.5}]
+    # token 7 was the most likely; token 9 was sampled although token 8 ranked first (9 ranked 7th: the engine
+    # ranks a sampled token outside the top k in the whole vocabulary, as vLLM does)
+    tops = [{7: Logprob(-0.1, 1)}, {8: Logprob(-0.2, 1), 9: Logprob(-2.5, 7)}]
     arrays = build_outputs(req, _delta({0: ("ab", [7, 9])}, True, logprobs={0: tops}), StreamState(),
                            decode_token=lambda t: f"<{t}>")
     (entries,) = [json.loads(v) for v in arrays["logprobs"]]
     assert entries == [{"7": {"logprob": -0.1, "rank": 1, "decoded_token": "<7>"}},
                        {"8": {"logprob": -0.2, "rank": 1, "decoded_token": "<8>"},
-                        "9": {"logprob": -2.5, "rank": None, "decoded_token": "<9>"}}]
+                        "9": {"logprob": -2.5, "rank": 7, "decoded_token": "<9>"}}]
     unasked = GenerateRequest(prompt="P", params=parse_sampling_parameters("{}"), return_logprobs=True)
     arrays = build_outputs(unasked, _delta({0: ("ab", [7, 9])}, True), StreamState())
     assert [v.decode() for v in arrays["logprobs"]] == ["null"]
@@ -186,6 +310,16 @@ def test_a_vllm_backend_model_json_loads_unchanged():
     assert vllm_names.engine == {"swap_space": 2 * 2 ** 30, "num_blocks": 40, "max_logprobs": 5,
                                  "enable_prefix_caching": True, "block_size": 8, "max_num_seqs": 4,
                                  "tensor_parallel_size": 1, "kv_cache_dtype": "fp8_e4m3"}
+
+
+def test_vllm_keys_of_newer_releases_are_accepted():
+    opts = parse_model_options({"model": "tiny-llama", "guided_decoding_backend": "outlines", "task": "generate",
+                                "generation_config": "auto", "disable_sliding_window": "true"})
+    assert set(opts.ignored) == {"guided_decoding_backend", "generation_config", "disable_sliding_window"}
+    assert parse_model_options({"model": "tiny-llama", "task": "auto"}).engine == {}
+    with pytest.raises(ValueError, match="task='embed' is not supported: this engine generates text"):
+        parse_model_options({"model": "tiny-llama", "task": "embed"})
+
 
 
 @pytest.mark.parametrize("values, message", [

@@ -1,6 +1,12 @@
 """Attach the paged engine to a transformers model (`attach` / `detach`), or load and attach in one call
 (`PagedModelForCausalLM.from_pretrained`): the model's `generate` then runs through the engine, and it
-gains `generate_stream`."""
+gains `generate_stream`.
+
+What attaching adds lives in the model's instance `__dict__` and nowhere else, so `detach` restores the model
+exactly; `training` flags are left as they were. An attached model stays copyable and picklable: its state
+(`__getstate__`, which `copy`, `copy.deepcopy`, `pickle` and `torch.save` use) leaves the attachment out, so
+a copy is the plain transformers model (attach it again to serve it).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,10 @@ import torch
 
 from paged_backend import LLMEngine
 
-from .attachment import STATE, Attachment, attachment_of, is_attached
+from .attachment import STATE, Attachment, attachment_of, is_attached, restore_training, training_flags
 from .generate import generate, generate_stream
+
+ATTACHED_NAMES = (STATE, "paged_engine", "generate", "generate_stream", "__getstate__")
 
 
 def attach(model: torch.nn.Module, tokenizer=None, **engine_options) -> torch.nn.Module:
@@ -25,28 +33,41 @@ def attach(model: torch.nn.Module, tokenizer=None, **engine_options) -> torch.nn
         if name in engine_options:
             raise ValueError(f"{name!r} is not an attach option: the engine runs the model as it is "
                              f"(move or cast the model before attaching)")
-    engine = LLMEngine(model, tokenizer=tokenizer, **engine_options)
-    state = Attachment(engine, tokenizer)
+    flags = training_flags(model)
+    try:
+        engine = LLMEngine(model, tokenizer=tokenizer, **engine_options)  # runs the model in eval mode
+    finally:
+        restore_training(flags)
+    state = Attachment(model, engine, tokenizer)
     model.__dict__[STATE] = state
     model.__dict__["paged_engine"] = engine
     model.__dict__["generate"] = _bind(model, generate)
     model.__dict__["generate_stream"] = _bind(model, generate_stream)
+    model.__dict__["__getstate__"] = _state_without_attachment(model)
     return model
 
 
 def detach(model: torch.nn.Module) -> torch.nn.Module:
-    """Restore transformers' own generate and release the engine and its KV cache."""
-    state = attachment_of(model)
-    with state.guard() as engine:
-        state.engine = None
-        for name in (STATE, "paged_engine", "generate", "generate_stream"):
-            model.__dict__.pop(name, None)
-        engine.shutdown()
-    del engine, state
+    """Restore transformers' own generate and release the engine and its KV cache (calls still running on it
+    fail with an error)."""
+    engine = attachment_of(model).detach()
+    for name in ATTACHED_NAMES:
+        model.__dict__.pop(name, None)
+    engine.shutdown()
+    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return model
+
+
+def _state_without_attachment(model: torch.nn.Module):
+    """The model's own `__getstate__`, minus what attaching added (locks, the engine, bound methods)."""
+    def state() -> dict:
+        own = type(model).__getstate__(model)
+        return {name: value for name, value in own.items() if name not in ATTACHED_NAMES}
+
+    return state
 
 
 def _bind(model, function):

@@ -1,38 +1,158 @@
-"""The state an attached model carries: its engine, its tokenizer, and the lock that serializes its calls."""
+"""The state an attached model carries: its engine and tokenizer, shared by every generate call on it.
+
+Calls do not wait for each other: each call opens an `EngineSession`, adds its requests to the one engine and
+steps it; the outputs of a step go to the session that owns each request (continuous batching across calls
+and threads), and a lock is held only around one engine operation, never across a whole call. So an
+unfinished `generate_stream` in one thread (or in the same one) does not block a `generate` elsewhere.
+While any call runs, the model is in eval mode (the engine needs dropout off); the training flags of its
+modules are restored as they were when the last call ends.
+"""
 
 from __future__ import annotations
 
+import itertools
 import threading
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Dict, List, Optional
 
-from paged_backend import LLMEngine
+import torch
+
+from paged_backend import LLMEngine, RequestOutput, SamplingParams
 
 STATE = "_paged_backend_attachment"
 
 
-class Attachment:
-    """The engine of one attached model and the lock that serializes its generate calls."""
+def training_flags(model: torch.nn.Module) -> Dict[torch.nn.Module, bool]:
+    """Each module's `training` flag (to restore exactly, mixed modes included)."""
+    return {module: module.training for module in model.modules()}
 
-    def __init__(self, engine: LLMEngine, tokenizer) -> None:
+
+def restore_training(flags: Dict[torch.nn.Module, bool]) -> None:
+    for module, training in flags.items():
+        module.training = training
+
+
+class Attachment:
+    """The engine of one attached model, the sessions of the calls running on it, and their outputs."""
+
+    def __init__(self, model: torch.nn.Module, engine: LLMEngine, tokenizer) -> None:
+        self.model = model
         self.engine: Optional[LLMEngine] = engine
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
-        self._owner: Optional[int] = None
+        self._inboxes: Dict[str, List[RequestOutput]] = {}  # request id -> outputs not yet read by its session
+        self._sessions = 0
+        self._training: Optional[Dict[torch.nn.Module, bool]] = None  # flags to restore when no call runs
+        self._ids = itertools.count()
 
-    @contextmanager
-    def guard(self) -> Iterator[LLMEngine]:
-        if self._owner == threading.get_ident():
-            raise RuntimeError("a generate call on this model is still running in this thread (an unfinished "
-                               "generate_stream?): exhaust or close() it first")
+    def running_engine(self) -> LLMEngine:
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("the model was detached from the paged backend")
+        return engine
+
+    def session(self) -> "EngineSession":
+        """A new call's view of the engine (use it as a context manager)."""
+        return EngineSession(self, f"hf-{next(self._ids)}-")
+
+    # ---- used by sessions, under the lock ---------------------------------------------------------
+    def _open(self) -> None:
         with self._lock:
-            if self.engine is None:
-                raise RuntimeError("the model was detached from the paged backend")
-            self._owner = threading.get_ident()
-            try:
-                yield self.engine
-            finally:
-                self._owner = None
+            self.running_engine()
+            if self._sessions == 0:
+                self._training = training_flags(self.model)
+                self.model.eval()
+            self._sessions += 1
+
+    def _close(self, request_ids: List[str]) -> None:
+        with self._lock:
+            unfinished = [rid for rid in request_ids if rid in self._inboxes]
+            if unfinished and self.engine is not None:
+                self.engine.abort_request(unfinished)
+            for rid in request_ids:
+                self._inboxes.pop(rid, None)
+            self._sessions -= 1
+            if self._sessions == 0 and self._training is not None:
+                restore_training(self._training)
+                self._training = None
+
+    def _add(self, request_id: str, prompt, params: SamplingParams) -> None:
+        with self._lock:
+            self.running_engine().add_request(request_id, prompt, params)
+            self._inboxes[request_id] = []
+
+    def _abort(self, request_ids: List[str]) -> None:
+        with self._lock:
+            live = [rid for rid in request_ids if rid in self._inboxes]
+            self.running_engine().abort_request(live)
+            for rid in live:
+                self._inboxes.pop(rid)
+
+    def _outputs(self, request_ids: List[str]) -> List[RequestOutput]:
+        """The outputs waiting for `request_ids`; when none waits, one engine step is run first (its outputs
+        for other sessions' requests wait in their inboxes)."""
+        with self._lock:
+            engine = self.running_engine()
+            mine = self._take(request_ids)
+            if mine or not any(rid in self._inboxes for rid in request_ids):
+                return mine
+            for output in engine.step():
+                inbox = self._inboxes.get(output.request_id)
+                if inbox is not None:
+                    inbox.append(output)
+            return self._take(request_ids)
+
+    def _take(self, request_ids: List[str]) -> List[RequestOutput]:
+        taken = []
+        for rid in request_ids:
+            inbox = self._inboxes.get(rid)
+            if inbox:
+                taken += inbox
+                inbox.clear()
+                if taken[-1].finished:
+                    del self._inboxes[rid]
+        return taken
+
+    def detach(self) -> LLMEngine:
+        """Stop serving: later engine operations of open sessions raise; the training flags are restored."""
+        with self._lock:
+            engine = self.running_engine()
+            self.engine = None
+            self._inboxes.clear()
+            if self._training is not None:
+                restore_training(self._training)
+                self._training = None
+            return engine
+
+
+class EngineSession:
+    """One generate call's requests in the shared engine: add them, read their outputs, abort them; closing
+    the session aborts what is still running and frees its blocks."""
+
+    def __init__(self, attachment: Attachment, prefix: str) -> None:
+        self._attachment = attachment
+        self._prefix = prefix
+        self.request_ids: List[str] = []
+
+    def __enter__(self) -> "EngineSession":
+        self._attachment._open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._attachment._close(self.request_ids)
+
+    def add(self, key: int, prompt, params: SamplingParams) -> str:
+        """Queue one request of this call; returns its engine request id."""
+        request_id = self._prefix + str(key)
+        self._attachment._add(request_id, prompt, params)
+        self.request_ids.append(request_id)
+        return request_id
+
+    def outputs(self) -> List[RequestOutput]:
+        """The next outputs of this call's requests (after at most one engine step)."""
+        return self._attachment._outputs(self.request_ids)
+
+    def abort(self, request_ids: List[str]) -> None:
+        self._attachment._abort(request_ids)
 
 
 def attachment_of(model) -> Attachment:

@@ -108,7 +108,7 @@ def _plan(model, state: Attachment, inputs, generation_config, logits_processor,
     batch = prepare_prompts(inputs, resolved.model_kwargs, config, eos_ids, pad_id)
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     prepare_lengths(resolved, batch.padded_len, getattr(text_config, "max_position_embeddings", None))
-    engine = state.engine
+    engine = state.running_engine()
     max_tokens = config.max_length - batch.padded_len
     for row, prompt in enumerate(batch.prompts):
         if len(prompt) + max_tokens > engine.max_model_len:
@@ -135,11 +135,11 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
     plan = _plan(model, state, inputs, generation_config, logits_processor, stopping_criteria,
                  prefix_allowed_tokens_fn, streamer, kwargs)
     if plan.num_beams > 1:
-        with state.guard() as engine:
-            run = BeamRun(engine, plan)
-            output = run.run()
+        with state.session() as session:
+            run = BeamRun(plan)
+            output = run.run(session)
     else:
-        run = GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard)
+        run = GenerationStream(SamplingRun(plan), streamer, state.tokenizer, state.session)
         output = run.finish()
     if run.filled_rows and plan.options.records:
         warnings.warn(UNMATCHED_ROWS_WARNING, UserWarning, stacklevel=3)
@@ -157,4 +157,4 @@ def generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_con
                  prefix_allowed_tokens_fn, streamer, kwargs)
     if plan.num_beams > 1:
         raise ValueError("generate_stream does not support beam search: beams are only final at the end")
-    return GenerationStream(SamplingRun(state.engine, plan), streamer, state.tokenizer, state.guard)
+    return GenerationStream(SamplingRun(plan), streamer, state.tokenizer, state.session)

@@ -4,25 +4,23 @@ samples or its beams inside it), and the engine steps them all together (continu
 Greedy and sampling are replayed step by step in transformers' lockstep view: step t is committed once
 every live row has its t-th token; then the streamer gets the step's tokens and the stopping criteria
 see the full ids (prompt as passed, finished rows padded). A row that a criterion stops is cut at that
-step, and its request is aborted in the engine once all its rows have stopped.
+step, and its request is aborted in the engine once all its rows have stopped. A call reaches the engine
+through its `EngineSession`, so calls from several threads share the engine's steps.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from paged_backend import LLMEngine, RequestOutput, SamplingParams
+from paged_backend import RequestOutput, SamplingParams
 
-from .prompts import PromptBatch
+from .attachment import EngineSession
 from .outputs import (BeamResult, OutputOptions, beam_fill_value, beam_output, decoder_only_output,
-                         expanded_prompt, neg_inf_rows)
-
-_call_ids = itertools.count()
-
+                      expanded_prompt, neg_inf_rows)
+from .prompts import PromptBatch
 
 @dataclass
 class Plan:
@@ -68,24 +66,18 @@ class Commit:
     ended: List[int]                     # rows that finished at this step
 
 
-def _add_requests(engine: LLMEngine, plan: Plan) -> Dict[str, int]:
-    prefix = f"hf-{next(_call_ids)}-"
-    added: Dict[str, int] = {}
-    try:
-        for b, (prompt, params) in enumerate(zip(plan.batch.prompts, plan.params)):
-            engine.add_request(prefix + str(b), prompt, params)
-            added[prefix + str(b)] = b
-    except BaseException:
-        engine.abort_request(list(added))
-        raise
-    return added
+def _add_requests(session: EngineSession, plan: Plan) -> Dict[str, int]:
+    """Queue one engine request per prompt row; request id -> row."""
+    rows = enumerate(zip(plan.batch.prompts, plan.params))
+    return {session.add(b, prompt, params): b for b, (prompt, params) in rows}
 
 
 class SamplingRun:
     """Greedy or multinomial sampling for a whole batch, committed in lockstep."""
 
-    def __init__(self, engine: LLMEngine, plan: Plan) -> None:
-        self.engine, self.plan = engine, plan
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.session: Optional[EngineSession] = None
         self.rows = [Row(b, s) for b in range(plan.batch.batch_size) for s in range(plan.num_return)]
         self.generated: List[List[int]] = [[] for _ in self.rows]
         self.step_scores: List[torch.Tensor] = []
@@ -95,21 +87,18 @@ class SamplingRun:
         self.filled_rows = False
 
     # ---- engine side ---------------------------------------------------------------------------
-    def commits(self) -> Iterator[Commit]:
-        """Drive the engine; yield each lockstep step as soon as every live row has reached it."""
-        self.request_of = _add_requests(self.engine, self.plan)
-        try:
-            while not self._all_stopped():
-                if not self._running_requests():
-                    raise RuntimeError("the engine finished every request before generate was done (internal error)")
-                for out in self.engine.step():
-                    self._update(out)
-                while not self._all_stopped() and self._can_commit(self.committed + 1):
-                    yield self._commit(self.committed + 1)
-        finally:
-            running = self._running_requests()
-            if running:
-                self.engine.abort_request(running)
+    def commits(self, session: EngineSession) -> Iterator[Commit]:
+        """Drive the engine (through this call's session); yield each lockstep step as soon as every live
+        row has reached it. The session aborts what is left when it closes."""
+        self.session = session
+        self.request_of = _add_requests(session, self.plan)
+        while not self._all_stopped():
+            if not self._running_requests():
+                raise RuntimeError("the engine finished every request before generate was done (internal error)")
+            for out in session.outputs():
+                self._update(out)
+            while not self._all_stopped() and self._can_commit(self.committed + 1):
+                yield self._commit(self.committed + 1)
 
     def _running_requests(self) -> List[str]:
         active = {r.request for r in self.rows if not r.engine_done}
@@ -190,7 +179,7 @@ class SamplingRun:
         for rid, b in self.request_of.items():
             rows = self.rows[b * self.plan.num_return:(b + 1) * self.plan.num_return]
             if all(r.stopped_at is not None for r in rows) and not all(r.engine_done for r in rows):
-                self.engine.abort_request(rid)
+                self.session.abort([rid])
                 for r in rows:
                     r.engine_done = True
 
@@ -208,28 +197,21 @@ class SamplingRun:
 class BeamRun:
     """Beam search for a whole batch: one engine request per prompt row, all stepped together."""
 
-    def __init__(self, engine: LLMEngine, plan: Plan) -> None:
-        self.engine, self.plan = engine, plan
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
         self.filled_rows = False
 
-    def run(self):
+    def run(self, session: EngineSession):
         plan = self.plan
-        request_of = _add_requests(self.engine, plan)
+        request_of = _add_requests(session, plan)
         finals: Dict[int, RequestOutput] = {}
-        try:
-            while len(finals) < len(request_of):
-                if not self.engine.has_unfinished_requests():
-                    raise RuntimeError("the engine lost a beam search request (internal error)")
-                for out in self.engine.step():
-                    b = request_of.get(out.request_id)
-                    if b is not None and out.finished:
-                        if out.error is not None:
-                            raise RuntimeError(f"the engine failed prompt row {b}: {out.error}")
-                        finals[b] = out
-        finally:
-            left = [rid for rid, b in request_of.items() if b not in finals]
-            if left:
-                self.engine.abort_request(left)
+        while len(finals) < len(request_of):
+            for out in session.outputs():
+                b = request_of.get(out.request_id)
+                if b is not None and out.finished:
+                    if out.error is not None:
+                        raise RuntimeError(f"the engine failed prompt row {b}: {out.error}")
+                    finals[b] = out
         ordered = [finals[b] for b in range(plan.batch.batch_size)]
         results = [[BeamResult(c.token_ids, c.beam_score, c.beam_indices or []) for c in out.outputs]
                    for out in ordered]

@@ -13,6 +13,7 @@ import torch
 
 from paged_backend import IncrementalText
 
+from .attachment import EngineSession
 from .outputs import UNMATCHED_ROWS_WARNING
 from .runner import Commit, SamplingRun
 
@@ -41,8 +42,8 @@ def _finish_reason(run: SamplingRun, index: int) -> str:
 class GenerationStream:
     """Iterates a sampling/greedy run's tokens; `output` is `generate`'s return value once exhausted."""
 
-    def __init__(self, run: SamplingRun, streamer, tokenizer, guard: Callable[[], object]) -> None:
-        self._run, self._streamer, self._guard = run, streamer, guard
+    def __init__(self, run: SamplingRun, streamer, tokenizer, session: Callable[[], EngineSession]) -> None:
+        self._run, self._streamer, self._session = run, streamer, session
         self._texts = [IncrementalText(tokenizer) for _ in run.rows]
         self._with_events = True
         self._events = self._generate()
@@ -79,11 +80,11 @@ class GenerationStream:
 
     def _generate(self) -> Iterator[TokenEvent]:
         run, streamer = self._run, self._streamer
-        with self._guard():
+        with self._session() as session:  # opened at the first token; closing it aborts what is left
             try:
                 if streamer is not None:
                     streamer.put(run.sequences().cpu())
-                for commit in run.commits():
+                for commit in run.commits(session):
                     if streamer is not None:
                         streamer.put(torch.tensor(commit.tokens, dtype=torch.long))
                     if self._with_events:

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from paged_backend import AsyncLLMEngine
 
-from . import openai_routes, tgi_routes
+from . import openai_routes, tgi_routes, tokenize_routes
 from .auth import APIKeyMiddleware
 from .body import DEFAULT_PAYLOAD_LIMIT, BodyLimit
 from .context import ServerContext
@@ -65,6 +65,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optio
     install_error_handlers(app)
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(tokenize_routes.router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -121,6 +121,11 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydanti
 
 def decode_body(raw: bytes, model: Type[Model]) -> Model:
     """`raw` parsed and validated as `model` (runs in a worker thread: bodies may be large)."""
+    return validate_body(decode_json_object(raw), model)
+
+
+def decode_json_object(raw: bytes) -> dict:
+    """`raw` parsed as a JSON object within the bounds above (runs in a worker thread)."""
     if not raw.strip():
         raise ValidationFailed("the request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -134,6 +139,11 @@ def decode_body(raw: bytes, model: Type[Model]) -> Model:
         raise ValidationFailed(f"the request body must be a JSON object, got a JSON {type(data).__name__}",
                                code="invalid_type")
     _check_tree(data)
+    return data
+
+
+def validate_body(data: dict, model: Type[Model]) -> Model:
+    """A parsed body validated as `model`; a ValidationFailed naming the first bad field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Type, TypeVar
+from typing import Any, Callable, Optional, Type, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -33,8 +33,13 @@ class ServerContext:
     in_flight: int = 0
     special_ids: frozenset = field(default_factory=frozenset)
     active_requests: set = field(default_factory=set)
-    workers: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="paged-http"))
+    validation_workers: int = 2  # threads that parse, tokenize and validate requests (TGI's --validation-workers)
+    workers: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def __post_init__(self) -> None:
+        if self.workers is None:
+            self.workers = concurrent.futures.ThreadPoolExecutor(max_workers=self.validation_workers,
+                                                                 thread_name_prefix="paged-http")
 
     @property
     def tokenizer(self):

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Typ
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from paged_backend import CompletionOutput, RequestOutput, SamplingParams
+from paged_backend import CompletionOutput, RequestOutput, ValidatedRequest
 from paged_backend.errors import EngineClosedError, EngineDeadError, InvalidRequest
 
 from .context import ServerContext
@@ -57,11 +57,12 @@ def token_infos(comp: CompletionOutput) -> List[TokenInfo]:
 
 
 # ---- running requests ---------------------------------------------------------------------------
-async def request_outputs(ctx: ServerContext, prompt: List[int], params: SamplingParams,
+async def request_outputs(ctx: ServerContext, request: ValidatedRequest,
                           request_id: str) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request (as `params.output_kind` asks); aborts it if the consumer stops
-    early (disconnect, cancel). A failed or aborted request raises the matching APIError."""
-    stream = ctx.engine.generate(prompt, params, request_id)
+    """The engine's outputs for one prepared request (as its `output_kind` asks; it was validated once, in a
+    worker thread); aborts it if the consumer stops early (disconnect, cancel). A failed or aborted request
+    raises the matching APIError."""
+    stream = ctx.engine.generate(request, None, request_id)
     ctx.active_requests.add(request_id)
     async with contextlib.aclosing(stream):
         try:
@@ -83,11 +84,10 @@ async def request_outputs(ctx: ServerContext, prompt: List[int], params: Samplin
             ctx.active_requests.discard(request_id)
 
 
-async def final_output(ctx: ServerContext, prompt: List[int], params: SamplingParams,
-                       request_id: str) -> RequestOutput:
+async def final_output(ctx: ServerContext, request: ValidatedRequest, request_id: str) -> RequestOutput:
     """Run a request (cumulative outputs) to the end; its final output."""
     last = None
-    async for output in request_outputs(ctx, prompt, params, request_id):
+    async for output in request_outputs(ctx, request, request_id):
         last = output
     return last
 

@@ -16,14 +16,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from paged_backend import RequestOutputKind, SamplingParams, sampling_params_from_dict
+from paged_backend import SamplingParams, ValidatedRequest, load_json
 from paged_backend.errors import InvalidRequest, PromptTooLong
 
 from .body import StrictBody
 from .context import ServerContext
 from .errors import ValidationFailed, refusal
 from .openai_structured import structured_outputs_value
-from .openai_tools import ToolChoice, ToolDefinition, ToolPlan, plan_tools
+from .openai_tools import EarlierToolCall, ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
 # OpenAI's documented limits
 MAX_COMPLETION_LOGPROBS = 5
@@ -101,7 +101,7 @@ class ChatMessage(StrictBody):
     role: str
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
-    tool_calls: Optional[List[Dict[str, Any]]] = None   # an assistant's earlier calls
+    tool_calls: Optional[List[EarlierToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None                  # a tool's answer to one of them
 
 
@@ -118,10 +118,9 @@ class ChatRequest(SamplingFields):
 
 @dataclass
 class OpenAIPlan:
-    """A validated request: one engine request per prompt, each with its SamplingParams."""
+    """A validated request: one prepared engine request per prompt."""
 
-    prompts: List[List[int]]
-    params: List[SamplingParams]
+    requests: List[ValidatedRequest]
     stream: bool
     include_usage: bool
     logprobs: Optional[int]        # completions: top-k per position; chat: top_logprobs
@@ -129,8 +128,16 @@ class OpenAIPlan:
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
 
     @property
+    def prompts(self) -> List[List[int]]:
+        return [r.prompt_token_ids for r in self.requests]
+
+    @property
+    def params(self) -> List[SamplingParams]:
+        return [r.params for r in self.requests]
+
+    @property
     def n(self) -> int:
-        return self.params[0].n
+        return self.requests[0].params.n
 
 
 def _fail(message: str, param: str, code: str = "invalid_value") -> None:
@@ -163,6 +170,8 @@ def _check_common(req: SamplingFields) -> None:
         if not key.strip().isdigit():
             _fail(f"`logit_bias` keys must be token ids, got {key!r}", "logit_bias")
         _range(bias, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if req.stream_options is not None and not req.stream:  # vLLM's (and OpenAI's) rule
+        _fail("`stream_options` can only be used when `stream` is true", "stream_options")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         _fail("`best_of` > `n` cannot be streamed", "best_of")
     if req.stream and req.use_beam_search:
@@ -187,8 +196,10 @@ def vllm_values(req: SamplingFields, max_tokens: Optional[int], logprobs: Option
 
 
 def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: Optional[int],
-            logprobs: Optional[int], default: Optional[int], prompt_param: str, tool_schema: Optional[dict] = None):
-    """(token ids, SamplingParams) per prompt through the engine's contract; refusals in OpenAI's terms."""
+            logprobs: Optional[int], default: Optional[int], prompt_param: str,
+            tool_schema: Optional[dict] = None) -> List[ValidatedRequest]:
+    """One prepared engine request per prompt through the engine's contract (the parameters are checked and
+    prepared once for all prompts); refusals in OpenAI's terms."""
     structured, source = structured_outputs_value(req.structured_outputs, {g: getattr(req, g) for g in _GUIDED},
                                                   req.response_format, tool_schema)
     names = {"prompt": prompt_param, "structured_outputs": source or "structured_outputs"}
@@ -196,14 +207,12 @@ def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: 
         base = sampling_params_from_dict(vllm_values(req, max_tokens, logprobs, structured),
                                          output_kind=RequestOutputKind.DELTA if req.stream else
                                          RequestOutputKind.CUMULATIVE)
-        ids = [ctx.engine.validate(p, base) for p in prompts]
-        params = [ctx.engine.fit_max_tokens(len(i), base, default=default) for i in ids]
+        return [ctx.engine.fit(r, default=default) for r in ctx.engine.prepare_many(prompts, base)]
     except InvalidRequest as exc:
         failed = refusal(exc, names)
         if exc.param == "structured_outputs" and source not in (None, "structured_outputs"):
             failed.message = f"`{source}`: {failed.message}"  # the engine names its own field
         raise failed from None
-    return ids, params
 
 
 def _completion_prompts(prompt) -> list:
@@ -227,9 +236,9 @@ def plan_completion(ctx: ServerContext, req: CompletionRequest) -> OpenAIPlan:
     if req.echo and req.logprobs is not None:
         _fail("`echo` with `logprobs` is not supported: prompt logprobs are not computed", "echo",
               "unsupported_parameter")
-    ids, params = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
-    echo = [ctx.tokenizer.decode(p) for p in ids] if req.echo else None
-    return OpenAIPlan(ids, params, req.stream, _include_usage(req), req.logprobs, echo)
+    requests = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
+    echo = [ctx.tokenizer.decode(r.prompt_token_ids) for r in requests] if req.echo else None
+    return OpenAIPlan(requests, req.stream, _include_usage(req), req.logprobs, echo)
 
 
 def _include_usage(req: SamplingFields) -> bool:
@@ -247,18 +256,19 @@ def _message_text(message: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def _template_tool_calls(calls: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def _template_tool_calls(calls: List[EarlierToolCall]) -> List[Dict[str, Any]]:
     """An assistant message's earlier calls as chat templates expect them: `arguments` as an object (as vLLM
     passes them; the API carries a JSON string)."""
     shaped = []
     for call in calls:
-        function = dict(call.get("function") or {})
-        if isinstance(function.get("arguments"), str):
+        shaped_call = call.model_dump(exclude_none=True)
+        arguments = call.function.arguments
+        if isinstance(arguments, str):
             try:
-                function["arguments"] = json.loads(function["arguments"])
+                shaped_call["function"]["arguments"] = load_json(arguments, "arguments")
             except ValueError:
-                pass
-        shaped.append({**call, "function": function})
+                pass  # not JSON: the template gets the string as sent
+        shaped.append(shaped_call)
     return shaped
 
 
@@ -273,7 +283,8 @@ def _template_message(message: ChatMessage, i: int) -> Dict[str, Any]:
     return rendered
 
 
-def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[str, Any]]] = None) -> str:
+def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[str, Any]]] = None,
+                continue_final_message: bool = False) -> str:
     """The conversation (and the tools, if any) rendered with the model's chat template."""
     if not req.messages:
         _fail("`messages` must not be empty", "messages")
@@ -286,7 +297,8 @@ def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[
                                     f"context can have ({ctx.engine.max_prompt_chars})", param="messages"))
     try:
         return ctx.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=continue_final_message)
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's messages being off
         raise ValidationFailed(f"the chat template rejected the messages: {exc}", param="messages") from None
 
@@ -304,8 +316,11 @@ def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         _fail(f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}", "max_completion_tokens")
     text = chat_prompt(ctx, req, tools.tools)
-    prompt = list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
+    try:  # the template already holds the special tokens; a text far beyond the context is refused early
+        prompt = ctx.engine.encode(text, req.truncate_prompt_tokens, add_special_tokens=False)
+    except InvalidRequest as exc:
+        raise refusal(exc, {"prompt": "messages"}) from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    ids, params = _settle(ctx, req, [prompt], requested, logprobs, None, "messages", tools.schema)
-    return OpenAIPlan(ids, params, req.stream, _include_usage(req), logprobs, tools=tools)
+    requests = _settle(ctx, req, [prompt], requested, logprobs, None, "messages", tools.schema)
+    return OpenAIPlan(requests, req.stream, _include_usage(req), logprobs, tools=tools)

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Coroutine, Dict, List, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from paged_backend import CompletionOutput, RequestOutput
+from paged_backend import CompletionOutput, RequestOutput, ranked_logprobs
 
 from .context import ServerContext
 from .engine_requests import (ClosingStreamingResponse, TokenInfo, final_output, finite, merge, request_outputs,
@@ -43,10 +43,6 @@ def _infos(ctx: ServerContext, comp: CompletionOutput) -> List[TokenInfo]:
     return infos
 
 
-def _ranked(top: Optional[Dict[int, float]], k: int) -> List[tuple]:
-    return sorted((top or {}).items(), key=lambda kv: kv[1], reverse=True)[:k]
-
-
 def completion_logprobs(ctx: ServerContext, infos: List[TokenInfo], offset: int) -> dict:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, logprobs, tops, offsets = [], [], [], []
@@ -54,7 +50,7 @@ def completion_logprobs(ctx: ServerContext, infos: List[TokenInfo], offset: int)
         text = ctx.decode_token(info.id)
         tokens.append(text)
         logprobs.append(info.logprob)
-        tops.append({ctx.decode_token(t): finite(lp) for t, lp in _ranked(info.top, len(info.top or {}))})
+        tops.append({ctx.decode_token(t): finite(lp) for t, lp in ranked_logprobs(info.top)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -66,7 +62,7 @@ def chat_logprobs(ctx: ServerContext, infos: List[TokenInfo], k: int) -> dict:
         text = ctx.decode_token(token_id)
         return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(i.id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in _ranked(i.top, k)]}
+    return {"content": [{**entry(i.id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in ranked_logprobs(i.top, k)]}
                         for i in infos]}
 
 
@@ -97,8 +93,7 @@ def _sse(payload) -> str:
 async def _run(request: Request, plan: OpenAIPlan, prefix: str) -> List[RequestOutput]:
     ctx = _ctx(request)
     rid = uuid.uuid4().hex
-    work = _gather([final_output(ctx, ids, params, f"{prefix}-{rid}-{i}")
-                    for i, (ids, params) in enumerate(zip(plan.prompts, plan.params))])
+    work = _gather([final_output(ctx, r, f"{prefix}-{rid}-{i}") for i, r in enumerate(plan.requests)])
     return await unless_disconnected(request, work)
 
 
@@ -106,8 +101,7 @@ async def _chunks(ctx: ServerContext, plan: OpenAIPlan, prefix: str, make_choice
     """The SSE chunks of a streamed request: one per sequence and engine step (the engine reports deltas:
     new tokens and settled text), then usage, then [DONE]."""
     rid = uuid.uuid4().hex
-    streams = [request_outputs(ctx, ids, params, f"{prefix}-{rid}-{i}")
-               for i, (ids, params) in enumerate(zip(plan.prompts, plan.params))]
+    streams = [request_outputs(ctx, r, f"{prefix}-{rid}-{i}") for i, r in enumerate(plan.requests)]
     usage = {"usage": None} if plan.include_usage else {}
     generated = 0
     try:
@@ -195,7 +189,8 @@ def _completion_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[st
         if plan.logprobs is not None:
             logprobs = completion_logprobs(ctx, token_infos(delta), offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}]
+        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                 "stop_reason": delta.stop_reason}]
 
     return _chunks(ctx, plan, "cmpl", make_choice, _completion_header(ctx))
 
@@ -255,9 +250,11 @@ def _chat_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[str]:
         for k, piece in enumerate(pieces):
             last = k == len(pieces) - 1
             choices.append({"index": delta.index, "delta": piece, "logprobs": logprobs if last else None,
-                            "finish_reason": finish_reason if last else None})
+                            "finish_reason": finish_reason if last else None,
+                            "stop_reason": delta.stop_reason if last else None})
         if not pieces and (finish_reason is not None or (plan.logprobs is not None and delta.token_ids)):
-            choices.append({"index": delta.index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason})
+            choices.append({"index": delta.index, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason,
+                            "stop_reason": delta.stop_reason})
         return choices
 
     return _chunks(ctx, plan, "chatcmpl", make_choice, _chat_header(ctx, "chat.completion.chunk"))

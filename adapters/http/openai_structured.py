@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
-from paged_backend import CONSTRAINT_FIELDS
+from paged_backend import CONSTRAINT_FIELDS, MAX_SCHEMA_DEPTH, load_json
 
 from .errors import ValidationFailed
 
@@ -36,9 +36,9 @@ def _fail(message: str, param: str, code: str = "invalid_value") -> None:
 def _schema_value(value: Any, where: str) -> Any:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = load_json(value, where, MAX_SCHEMA_DEPTH)
         except ValueError as exc:
-            _fail(f"{where} is not valid JSON: {exc}", "response_format")
+            _fail(str(exc), "response_format")
     if not isinstance(value, dict):
         _fail(f"{where} must be a JSON schema object", "response_format")
     return value

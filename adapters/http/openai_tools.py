@@ -53,6 +53,21 @@ class NamedToolChoice(StrictBody):
 ToolChoice = Union[str, NamedToolChoice]
 
 
+class CalledFunction(StrictBody):
+    """The function of an earlier call in an assistant message (`arguments`: a JSON string, or an object)."""
+
+    name: str
+    arguments: Optional[Union[str, Dict[str, Any]]] = None
+
+
+class EarlierToolCall(StrictBody):
+    """One entry of an assistant message's `tool_calls` in the conversation history."""
+
+    id: Optional[str] = None
+    type: str = "function"
+    function: CalledFunction
+
+
 @dataclass
 class ToolPlan:
     """What a chat request asks of its tools: `mode` is "none", "auto", "required" or "named"."""
@@ -180,7 +195,7 @@ def _arguments(value: Any) -> str:
 def _required_calls(text: str) -> Optional[List[Dict[str, Any]]]:
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # generated text, possibly nested thousands deep
         return None
     if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
         return None
@@ -192,7 +207,7 @@ def _hermes_calls(text: str) -> Optional[List[Dict[str, Any]]]:
     for match in _HERMES_CALL.finditer(text):
         try:
             body = json.loads(match.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             return None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Optional
 
+from paged_backend import MAX_SCHEMA_DEPTH, check_json_depth
+
 from .errors import ValidationFailed
 
 GRAMMAR_TYPES = ("json", "json_object", "regex", "json_schema")
@@ -23,11 +25,14 @@ def invalid(reason: str) -> ValidationFailed:
 
 
 def _schema(value: Any) -> Dict[str, Any]:
-    if isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, str):
             value = json.loads(value)
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
+        check_json_depth(value, "the schema", MAX_SCHEMA_DEPTH)
+    except RecursionError:  # a string nested thousands of levels deep
+        raise invalid(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
+    except ValueError as exc:  # worded as TGI words it: the JSON parser's message
+        raise invalid(str(exc)) from None
     if not isinstance(value, dict):
         raise invalid(f"a JSON grammar's value must be a JSON schema object (or a string holding one), got "
                       f"{type(value).__name__}")

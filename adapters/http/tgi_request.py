@@ -2,7 +2,9 @@
 and the engine's request contract (`sampling_params_from_dict`, `validate`, `fit_max_tokens`).
 
 Decoding follows TGI: sampling when `do_sample` is true or any warper is set (`temperature` != 1,
-`top_k`, `top_p`); greedy otherwise. Stop sequences stay in the generated text, as in TGI.
+`top_k`, `top_p`); greedy otherwise. `best_of > 1` needs a sampling request by TGI's router rule (`do_sample`
+or any of `temperature`, `top_k`, `top_p`, `typical_p` given, `temperature: 1.0` included) and always samples.
+Stop sequences stay in the generated text, as in TGI.
 `max_new_tokens` absent means 100 (TGI's default); `null` means all that fits the context and KV cache.
 `grammar` constrains the output to a JSON schema or a regex (tgi_grammar.py).
 """
@@ -16,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from pydantic import Field
 
-from paged_backend import RequestOutputKind, SamplingParams, sampling_params_from_dict
+from paged_backend import SamplingParams, ValidatedRequest
 from paged_backend.errors import InvalidRequest
 
 from .body import StrictBody
@@ -66,24 +68,26 @@ class TGIRequest(StrictBody):
         return self.parameters if self.parameters is not None else TGIParameters()
 
 
-class TokenizeRequest(StrictBody):
-    inputs: str
-    parameters: Optional[TGIParameters] = None
-
-
 @dataclass
 class TGIPlan:
-    """A validated TGI request, ready to run."""
+    """A validated TGI request, ready to run (`request` is the engine's prepared request)."""
 
     inputs: str
-    prompt_ids: List[int]
-    params: SamplingParams
+    request: ValidatedRequest
     best_of: int
     seed: Optional[int]
     details: bool
     decoder_input_details: bool
     top_n_tokens: int
     return_full_text: bool
+
+    @property
+    def prompt_ids(self) -> List[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 def _fail(message: str, param: Optional[str] = None) -> None:
@@ -94,6 +98,18 @@ def is_sampling(p: TGIParameters) -> bool:
     """TGI samples when asked to, or when any warper would change the distribution."""
     return bool(p.do_sample or (p.temperature is not None and p.temperature != 1.0) or p.top_k is not None
                 or p.top_p is not None or p.typical_p is not None)
+
+
+def asks_for_sampling(p: TGIParameters) -> bool:
+    """TGI's router rule for `best_of > 1`: sampling, or any warper given (`temperature` 1.0 included)."""
+    return bool(p.do_sample or p.temperature is not None or p.top_k is not None or p.top_p is not None
+                or p.typical_p is not None)
+
+
+def samples(p: TGIParameters, best_of: int) -> bool:
+    """Whether the request samples: as TGI decides, and always for `best_of > 1` (which the router accepted
+    as a sampling request; identical greedy candidates would be pointless)."""
+    return is_sampling(p) or best_of > 1
 
 
 def _check_unsupported(p: TGIParameters) -> None:
@@ -108,7 +124,7 @@ def _check_unsupported(p: TGIParameters) -> None:
 def _check_ranges(p: TGIParameters, best_of: int, stream: bool) -> None:
     if best_of < 1 or best_of > MAX_BEST_OF:
         _fail(f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {best_of}", "best_of")
-    if best_of > 1 and not is_sampling(p):
+    if best_of > 1 and not asks_for_sampling(p):
         _fail("you must use sampling when `best_of` is > 1", "best_of")
     if best_of > 1 and p.seed is not None:
         _fail("`seed` must not be set when `best_of` > 1", "seed")
@@ -141,7 +157,7 @@ def _check_ranges(p: TGIParameters, best_of: int, stream: bool) -> None:
 
 def vllm_values(p: TGIParameters, best_of: int, seed: Optional[int]) -> Dict[str, Any]:
     """TGI's parameters under vLLM's names (what `sampling_params_from_dict` reads)."""
-    sampling = is_sampling(p)
+    sampling = samples(p, best_of)
     values: Dict[str, Any] = {
         "n": best_of, "best_of": best_of, "temperature": (p.temperature or 1.0) if sampling else 0.0,
         "repetition_penalty": p.repetition_penalty, "frequency_penalty": p.frequency_penalty, "seed": seed,
@@ -164,16 +180,16 @@ def plan_tgi(ctx: ServerContext, request: TGIRequest, stream: bool) -> TGIPlan:
     max_input = ctx.max_model_len - 1
     if p.truncate is not None and not 0 < p.truncate <= max_input:
         _fail(f"`truncate` must be strictly positive and less than {max_input}. Given: {p.truncate}", "truncate")
-    seed = (p.seed if p.seed is not None else random.getrandbits(63)) if is_sampling(p) else None
+    seed = (p.seed if p.seed is not None else random.getrandbits(63)) if samples(p, best_of) else None
     kind = RequestOutputKind.DELTA  # streamed or not, replies are built from the engine's per-step deltas
     default = None if "max_new_tokens" in p.model_fields_set else DEFAULT_MAX_NEW_TOKENS
     try:
         params = sampling_params_from_dict(vllm_values(p, best_of, seed), output_kind=kind)
-        ids = ctx.engine.validate(request.inputs, params)
-        params = ctx.engine.fit_max_tokens(len(ids), params, default=default, param="max_new_tokens")
+        prepared = ctx.engine.fit(ctx.engine.prepare(request.inputs, params), default=default,
+                                  param="max_new_tokens")
     except InvalidRequest as exc:
         if exc.param == "structured_outputs":  # the grammar did not compile
             raise invalid(re.sub(r"^invalid structured_outputs\.\w+: ", "", str(exc))) from None
         raise refusal(exc, TGI_NAMES) from None
-    return TGIPlan(request.inputs, ids, params, best_of, seed, p.details, p.decoder_input_details,
+    return TGIPlan(request.inputs, prepared, best_of, seed, p.details, p.decoder_input_details,
                    p.top_n_tokens or 0, bool(p.return_full_text))

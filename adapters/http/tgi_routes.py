@@ -1,4 +1,5 @@
-"""Text Generation Inference routes: /generate, /generate_stream, / (compat), /info, /health, /tokenize.
+"""Text Generation Inference routes: /generate, /generate_stream, / (compat), /info, /health (/tokenize is in
+tokenize_routes.py, beside vLLM's shape of it).
 
 Responses are shaped as TGI returns them: `generated_text` plus `details` (finish_reason
 "length" / "eos_token" / "stop_sequence", tokens with id, text, logprob, special); streams are
@@ -16,13 +17,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 import paged_backend
-from paged_backend import CompletionOutput
+from paged_backend import CompletionOutput, ranked_logprobs
 
 from .context import ServerContext, Slot
 from .engine_requests import ClosingStreamingResponse, TokenInfo, request_outputs, token_infos, unless_disconnected
-from .errors import APIError, ValidationFailed
-from .tgi_request import (MAX_BEST_OF, MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, TGIPlan, TGIRequest, TokenizeRequest,
-                          plan_tgi)
+from .errors import APIError
+from .tgi_request import MAX_BEST_OF, MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, TGIPlan, TGIRequest, plan_tgi
 
 router = APIRouter()
 
@@ -43,9 +43,8 @@ def _token(ctx: ServerContext, info: TokenInfo) -> dict:
 
 
 def _top_tokens(ctx: ServerContext, info: TokenInfo, n: int) -> List[dict]:
-    ranked = sorted((info.top or {}).items(), key=lambda kv: kv[1], reverse=True)[:n]
     return [{"id": tid, "text": ctx.decode_token(tid), "logprob": lp, "special": tid in ctx.special_ids}
-            for tid, lp in ranked]
+            for tid, lp in ranked_logprobs(info.top, n)]
 
 
 def _prefill(ctx: ServerContext, plan: TGIPlan) -> List[dict]:
@@ -89,7 +88,7 @@ def _full_text(plan: TGIPlan, text: str) -> str:
 async def generate_response(ctx: ServerContext, plan: TGIPlan) -> dict:
     """Run a request to the end and shape the reply as TGI's `/generate` does."""
     seqs: Dict[int, Sequence] = {}
-    async for delta in request_outputs(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}"):
+    async for delta in request_outputs(ctx, plan.request, f"tgi-{uuid.uuid4().hex}"):
         for comp in delta.outputs:
             seqs.setdefault(comp.index, Sequence()).add(comp)
     ranked = sorted(seqs.values(), key=lambda q: q.final.cumulative_logprob, reverse=True)
@@ -113,7 +112,7 @@ async def stream_events(ctx: ServerContext, plan: TGIPlan) -> AsyncIterator[str]
     the last event carries generated_text and details."""
     seq, index = Sequence(), 0
     try:
-        async for delta in request_outputs(ctx, plan.prompt_ids, plan.params, f"tgi-{uuid.uuid4().hex}"):
+        async for delta in request_outputs(ctx, plan.request, f"tgi-{uuid.uuid4().hex}"):
             for comp in delta.outputs:  # best_of is 1 when streaming: one sequence
                 infos = seq.add(comp)
                 for k, info in enumerate(infos):
@@ -175,27 +174,6 @@ async def compat_generate(request: Request) -> Response:
     return await _generate(request, stream=False, compat=True)
 
 
-def tokenize_text(ctx: ServerContext, text: str) -> List[dict]:
-    """TGI's /tokenize reply (blocking). Text too long for any prompt is refused without tokenizing."""
-    if text == "":
-        raise ValidationFailed("`inputs` cannot be empty", param="inputs")
-    if len(text) > ctx.engine.max_prompt_chars:
-        raise ValidationFailed(f"`inputs` has {len(text)} characters, more than any prompt that fits the context "
-                               f"can have ({ctx.engine.max_prompt_chars})", param="inputs",
-                               code="context_length_exceeded")
-    encoding = ctx.tokenizer(text, return_offsets_mapping=True)
-    offsets = encoding.get("offset_mapping") or [(0, 0)] * len(encoding["input_ids"])
-    return [{"id": tid, "text": text[start:stop], "start": start, "stop": stop}
-            for tid, (start, stop) in zip(encoding["input_ids"], offsets)]
-
-
-@router.post("/tokenize")
-async def tokenize(request: Request) -> Response:
-    ctx = _ctx(request)
-    body = await ctx.read(request, TokenizeRequest)
-    return JSONResponse(await ctx.blocking(tokenize_text, ctx, body.inputs))
-
-
 def model_info(ctx: ServerContext) -> dict:
     stats = ctx.engine.get_stats()
     engine = ctx.engine
@@ -206,8 +184,9 @@ def model_info(ctx: ServerContext) -> dict:
         "max_stop_sequences": MAX_STOP_SEQUENCES, "max_top_n_tokens": MAX_TOP_N_TOKENS,
         "max_input_tokens": ctx.max_model_len - 1, "max_input_length": ctx.max_model_len - 1,
         "max_total_tokens": ctx.max_model_len, "max_batch_total_tokens": stats.num_blocks * stats.block_size,
-        "max_client_batch_size": 1, "kv_cache": {"num_blocks": stats.num_blocks, "block_size": stats.block_size,
-                                                 "num_swap_blocks": stats.num_swap_blocks},
+        "max_client_batch_size": 1, "validation_workers": ctx.validation_workers,
+        "kv_cache": {"num_blocks": stats.num_blocks, "block_size": stats.block_size,
+                     "num_swap_blocks": stats.num_swap_blocks},
         "router": "paged-backend", "version": paged_backend.__version__, "sha": None, "docker_label": None,
     }
 

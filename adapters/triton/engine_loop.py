@@ -18,11 +18,11 @@ import queue
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, Optional, Protocol
 
 import numpy as np
 
-from paged_backend import AsyncLLMEngine, EngineStats, SamplingParams
+from paged_backend import AsyncLLMEngine, ValidatedRequest
 from paged_backend.errors import EngineClosedError, EngineDeadError, InvalidRequest
 
 from .request_inputs import VLLM_DEFAULT_MAX_TOKENS, GenerateRequest
@@ -129,10 +129,10 @@ class EngineService:
         task = asyncio.ensure_future(self._serve(request_id, request, handle))
         self._active[request_id] = (task, handle)
 
-    def _admit(self, request: GenerateRequest) -> Tuple[List[int], SamplingParams]:
-        """The prompt's token ids and the params with max_tokens settled (blocking: tokenizes)."""
-        ids = self.engine.validate(request.prompt, request.params)
-        return ids, self.engine.fit_max_tokens(len(ids), request.params, default=VLLM_DEFAULT_MAX_TOKENS)
+    def _admit(self, request: GenerateRequest) -> ValidatedRequest:
+        """The request checked and prepared once, max_tokens settled (blocking: tokenizes, compiles; runs in a
+        worker thread so the loop keeps serving the other streams)."""
+        return self.engine.fit(self.engine.prepare(request.prompt, request.params), default=VLLM_DEFAULT_MAX_TOKENS)
 
     def engine_dead(self) -> Optional[BaseException]:
         """Why the engine cannot serve, or None while it can."""
@@ -149,8 +149,8 @@ class EngineService:
         state, loop = StreamState(), asyncio.get_running_loop()
         decode = self._decode_token
         try:
-            ids, params = await loop.run_in_executor(None, self._admit, request)
-            async for output in self.engine.generate(ids, params, request_id):
+            prepared = await loop.run_in_executor(None, self._admit, request)
+            async for output in self.engine.generate(prepared, None, request_id):
                 if output.finished and output.error is not None:
                     self.logger.log_error(f"[paged_backend] {request_id} failed: {output.error}")
                     self.send(handle, None, RequestError(f"generation failed: {output.error}", INTERNAL), True)

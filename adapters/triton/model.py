@@ -33,8 +33,9 @@ from .model_json import load_model_options
 from .placement import engine_kwargs, place
 from .repository import input_configs, output_configs
 from .request_inputs import FLAG_INPUTS, REFUSED_INPUTS, parse_generate_request
+from .trtllm_inputs import TRTLLM_TENSORS, trtllm_input_configs
 
-INPUT_NAMES = ("text_input", "sampling_parameters") + FLAG_INPUTS + tuple(REFUSED_INPUTS)
+INPUT_NAMES = ("text_input", "sampling_parameters") + FLAG_INPUTS + tuple(REFUSED_INPUTS) + tuple(TRTLLM_TENSORS)
 
 
 def _triton_error(error: RequestError):
@@ -73,18 +74,21 @@ class TritonPythonModel:
 
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
-        """Fill in the tensors, the decoupled policy and max_batch_size 0 when config.pbtxt omits them."""
+        """Fill in the tensors, the decoupled policy and max_batch_size 0 when config.pbtxt omits them; with a
+        `max_batch_size` set (Triton's OpenAI frontend), also the TensorRT-LLM-style inputs."""
         config = auto_complete_model_config.as_dict()
         have_inputs = {entry["name"] for entry in config.get("input", [])}
         have_outputs = {entry["name"] for entry in config.get("output", [])}
-        for entry in input_configs():
+        batched = bool(config.get("max_batch_size"))  # kept when set: 1 takes TensorRT-LLM-style [1, 1] tensors
+        for entry in input_configs() + (trtllm_input_configs() if batched else []):
             if entry["name"] not in have_inputs:
                 auto_complete_model_config.add_input(entry)
         for entry in output_configs():
             if entry["name"] not in have_outputs:
                 auto_complete_model_config.add_output(entry)
         auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))
-        auto_complete_model_config.set_max_batch_size(0)
+        if not batched:
+            auto_complete_model_config.set_max_batch_size(0)
         return auto_complete_model_config
 
     def initialize(self, args: Dict[str, str]) -> None:

@@ -106,6 +106,13 @@ NO_MEANING_HERE = frozenset({
     "revision", "tokenizer_revision", "code_revision", "tokenizer_mode", "served_model_name",
     "max_parallel_loading_workers", "tokenizer_pool_size",
     "prefix_caching_hash_algo", "disable_frontend_multiprocessing",
+    # structured outputs always compile with xgrammar here, whatever backend vLLM would pick
+    "guided_decoding_backend",
+    # the model's attention runs as its config defines it: sliding windows stay on (no cap of max_model_len)
+    "disable_sliding_window",
+    # vLLM applies generation_config.json's sampling defaults in its OpenAI server only, not to engine requests
+    # such as the vLLM backend's; EOS ids are read from the model's generation config here anyway
+    "generation_config",
 })
 # vLLM arguments this engine implements only at their default value
 ONLY_DEFAULT: Dict[str, tuple] = {
@@ -117,6 +124,7 @@ ONLY_DEFAULT: Dict[str, tuple] = {
     "cpu_offload_gb": (0, "weights are not offloaded"),
     "skip_tokenizer_init": (False, "the engine needs its tokenizer"),
     "load_format": ("auto", "weights are loaded with transformers' from_pretrained"),
+    "task": ("auto", "this engine generates text (task 'auto' or 'generate')"),
 }
 OPTION_NAMES = tuple(sorted(set(_ENGINE_ARGS) | set(_MODEL_ARGS) | NO_MEANING_HERE | set(ONLY_DEFAULT)))
 
@@ -152,6 +160,8 @@ class ModelOptions:
 def _only_default(name: str, value: Any) -> None:
     default, why = ONLY_DEFAULT[name]
     normal = value
+    if name == "task" and isinstance(value, str) and value.strip().lower() == "generate":
+        return  # the same as "auto" for a generative model
     if isinstance(default, bool):
         normal = to_bool(name, value)
     elif isinstance(default, int):

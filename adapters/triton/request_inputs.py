@@ -4,18 +4,24 @@ Follows Triton's vLLM backend: `text_input` (STRING), optional `stream`, `sampli
 object of vLLM's sampling parameters, values possibly strings), `exclude_input_in_output` and the
 `return_*` switches. When no `sampling_parameters` tensor is sent, the request's own parameters (Triton's
 generate endpoint puts the JSON `parameters` object and unknown top-level keys there) are used instead.
+TensorRT-LLM-style tensors (`max_tokens`, `temperature`, `stop_words`, ..., what Triton's OpenAI frontend
+sends to backends not named "vllm"; trtllm_inputs.py) are the third way; such requests get only the new
+text unless `exclude_input_in_output` says otherwise. Every tensor may come as [1] or with a batch
+dimension ([1, 1]); a batched request gets batched outputs.
 The sampling parameters go through the engine's one mapping (`paged_backend.engine.request_params`). No Triton
 import here, so the rules are testable without a server.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
-from paged_backend import RequestOutputKind, SamplingParams, sampling_params_from_dict, to_bool
+from paged_backend import (MAX_SCHEMA_DEPTH, RequestOutputKind, SamplingParams, load_json, sampling_params_from_dict,
+                           to_bool)
 from paged_backend.errors import InvalidParameter, UnsupportedParameter
+
+from .trtllm_inputs import has_trtllm_inputs, trtllm_values
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
                 "return_num_output_tokens")
@@ -33,10 +39,7 @@ def parse_json_object(text: Any, what: str = "sampling_parameters") -> Dict[str,
         return {}
     if isinstance(text, dict):
         return dict(text)
-    try:
-        value = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    value = load_json(text, what, MAX_SCHEMA_DEPTH + 2)  # a schema inside gets its own, clearer check
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object such as {{\"max_tokens\": 16}}, got {type(value).__name__}")
     return value
@@ -45,7 +48,10 @@ def parse_json_object(text: Any, what: str = "sampling_parameters") -> Dict[str,
 def parse_sampling_parameters(text: Any, stream: bool = False) -> SamplingParams:
     """SamplingParams from the `sampling_parameters` JSON string (what Triton's vLLM backend accepts):
     the engine reports deltas when streaming, else only the final output."""
-    values = parse_json_object(text)
+    return _sampling_params(parse_json_object(text), stream)
+
+
+def _sampling_params(values: Dict[str, Any], stream: bool) -> SamplingParams:
     if values.pop("lora_name", None) is not None:  # vllm_backend's own key
         raise UnsupportedParameter("LoRA feature is not enabled: this engine serves no LoRA adapters",
                                    param="lora_name")
@@ -66,6 +72,7 @@ class GenerateRequest:
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    batched: bool = False  # the inputs came with a batch dimension ([1, 1] shapes): outputs get one too
 
 
 def _decode(name: str, value: bytes) -> str:
@@ -82,6 +89,23 @@ def _single(name: str, array: Any) -> Any:
         raise ValueError(f"{name} must hold exactly one element, got {len(items)} (send one request per prompt)")
     item = items[0]
     return _decode(name, item) if isinstance(item, bytes) else item
+
+
+def _merged(values: Dict[str, Any], tensors: Dict[str, Any]) -> Dict[str, Any]:
+    """The JSON sampling parameters with the TensorRT-LLM-style tensors' values (Triton's generate endpoint
+    turns `parameters` keys that name an input into tensors, so one request may carry both); a parameter given
+    both ways is refused."""
+    both = sorted(set(values) & set(tensors))
+    if both:
+        raise ValueError(f"{', '.join(both)} given both as an input tensor and in the sampling parameters; give "
+                         f"each once")
+    return {**values, **tensors}
+
+
+def _strings(name: str, array: Any) -> List[str]:
+    """The strings of a STRING tensor (one request's list, e.g. shape [1, k] or [k])."""
+    items = array.reshape(-1).tolist() if hasattr(array, "reshape") else list(array)
+    return [_decode(name, item) if isinstance(item, bytes) else str(item) for item in items]
 
 
 def _flag(name: str, inputs: Mapping[str, Any], fallback: Mapping[str, Any]) -> Optional[bool]:
@@ -108,11 +132,14 @@ def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = 
     flags = {name: extra.pop(name, None) for name in FLAG_INPUTS}
     stream = bool(_flag("stream", inputs, flags))
     if inputs.get("sampling_parameters") is not None:
-        params = parse_sampling_parameters(_single("sampling_parameters", inputs["sampling_parameters"]), stream)
+        values = parse_json_object(_single("sampling_parameters", inputs["sampling_parameters"]))
     else:
-        params = parse_sampling_parameters(extra, stream)
+        values = extra
+    params = _sampling_params(_merged(values, trtllm_values(inputs, _single, _strings)), stream)
+    batched = getattr(inputs["text_input"], "ndim", 1) >= 2
     exclude = _flag("exclude_input_in_output", inputs, flags)
-    prepend_input = (not exclude) if exclude is not None else not stream
+    # TensorRT-LLM's convention (Triton's OpenAI frontend): only the new text unless the request asks otherwise
+    prepend_input = (not exclude) if exclude is not None else not (stream or batched or has_trtllm_inputs(inputs))
     if stream and prepend_input:
         raise ValueError("exclude_input_in_output=false is not allowed when streaming "
                          "(streamed responses carry only the new text)")
@@ -120,4 +147,5 @@ def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = 
         raise ValueError(f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
                          f"sequences are only known at the end")
     returns = {name: bool(_flag(name, inputs, flags)) for name in RETURN_FLAGS}
-    return GenerateRequest(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input, **returns)
+    return GenerateRequest(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input,
+                           batched=batched, **returns)

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from paged_backend import CompletionOutput, RequestOutput
+from paged_backend import CompletionOutput, RequestOutput, ranked_logprobs
 
 from .request_inputs import GenerateRequest
 
@@ -32,19 +32,12 @@ class StreamState:
     prompt_sent: bool = False
 
 
-def _logprob_entries(comp: CompletionOutput, k: int, decode_token: DecodeToken) -> List[dict]:
-    """vLLM's logprobs of each new token: {token id: {"logprob", "rank", "decoded_token"}}. The rank is the
-    place among the top `k`; null for a sampled token outside them (the engine does not rank the vocabulary)."""
-    entries = []
-    for position, top in enumerate(comp.logprobs or []):
-        chosen = comp.token_ids[position] if position < len(comp.token_ids) else None
-        # the engine returns the top k tokens, plus the sampled one when it is not among them
-        outside = chosen if len(top) > k else None
-        ranked = [tid for tid, _ in sorted(top.items(), key=lambda item: item[1], reverse=True) if tid != outside]
-        ranks = {tid: place for place, tid in enumerate(ranked, start=1)}
-        entries.append({str(tid): {"logprob": lp if np.isfinite(lp) else None, "rank": ranks.get(tid),
-                                   "decoded_token": decode_token(tid)} for tid, lp in top.items()})
-    return entries
+def _logprob_entries(comp: CompletionOutput, decode_token: DecodeToken) -> List[dict]:
+    """vLLM's logprobs of each new token: {token id: {"logprob", "rank", "decoded_token"}}, with the engine's
+    rank of each (1 = most likely; the sampled token's true rank when it is outside the top k)."""
+    return [{str(tid): {"logprob": float(lp) if np.isfinite(lp) else None, "rank": getattr(lp, "rank", None),
+                        "decoded_token": decode_token(tid)} for tid, lp in ranked_logprobs(top)}
+            for top in comp.logprobs or []]
 
 
 def build_outputs(request: GenerateRequest, output: RequestOutput, state: StreamState,
@@ -67,7 +60,7 @@ def build_outputs(request: GenerateRequest, output: RequestOutput, state: Stream
         new_tokens.append(len(comp.token_ids) if comp else 0)
         if request.return_logprobs:
             entries = None if params.logprobs is None else (
-                _logprob_entries(comp, params.logprobs, decode_token or str) if comp else [])
+                _logprob_entries(comp, decode_token or str) if comp else [])
             logprobs.append(json.dumps(entries).encode("utf-8"))
     arrays: Dict[str, np.ndarray] = {"text_output": np.array(texts, dtype=np.object_)}
     if request.return_finish_reason:
@@ -81,4 +74,6 @@ def build_outputs(request: GenerateRequest, output: RequestOutput, state: Stream
         arrays["num_input_tokens"] = np.array([len(output.prompt_token_ids)], dtype=np.uint32)
     if request.return_num_output_tokens:
         arrays["num_output_tokens"] = np.array(new_tokens, dtype=np.uint32)
+    if request.batched:  # the request had a batch dimension (of 1): so do its outputs
+        arrays = {name: array.reshape(1, -1) for name, array in arrays.items()}
     return arrays

@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-from typing import AsyncIterator, Dict, List, Optional, Tuple, Union
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -20,6 +20,7 @@ from paged_backend.engine.llm_engine import LLMEngine, PromptType
 from paged_backend.errors import EngineClosedError, EngineDeadError
 from paged_backend.engine.metrics import EngineStats
 from paged_backend.engine.outputs import RequestOutput
+from paged_backend.engine.request_intake import ValidatedRequest
 from paged_backend.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class AsyncLLMEngine:
     def _init(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._streams: Dict[str, asyncio.Queue] = {}
-        self._pending_adds: List[Tuple[str, PromptType, SamplingParams]] = []
+        self._pending_adds: List[Tuple[str, ValidatedRequest]] = []
         self._pending_aborts: List[str] = []
         self._task: Optional[asyncio.Task] = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-step")
@@ -82,6 +83,19 @@ class AsyncLLMEngine:
         `LLMEngine.validate_request`; safe to call from any thread)."""
         return self.engine.validate_request(prompt, params)
 
+    def encode(self, prompt: PromptType, truncate: Optional[int] = None, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of a prompt, validated (`LLMEngine.encode`; blocking)."""
+        return self.engine.encode(prompt, truncate, add_special_tokens)
+
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> ValidatedRequest:
+        """A checked and prepared request for `generate` (`LLMEngine.prepare_request`; blocking: tokenizes and
+        compiles, so servers call it in a worker thread)."""
+        return self.engine.prepare_request(prompt, params)
+
+    def prepare_many(self, prompts: Sequence[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
+        """Several prompts with the same params (`LLMEngine.prepare_requests`; blocking)."""
+        return self.engine.prepare_requests(prompts, params)
+
     def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
         """How many new tokens a prompt can still get (`LLMEngine.max_new_tokens`)."""
         return self.engine.max_new_tokens(prompt_len, num_branches)
@@ -91,21 +105,31 @@ class AsyncLLMEngine:
         """`params` with max_tokens settled and checked (`LLMEngine.fit_max_tokens`)."""
         return self.engine.fit_max_tokens(prompt_len, params, default, param)
 
-    async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+    def fit(self, request: ValidatedRequest, default: Optional[int] = None,
+            param: str = "max_tokens") -> ValidatedRequest:
+        """A prepared request with max_tokens settled and checked (`LLMEngine.fit_request`)."""
+        return self.engine.fit_request(request, default, param)
+
+    async def generate(self, prompt: Union[PromptType, ValidatedRequest], params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step it takes part in; the last one is finished."""
-        if self._closed:
-            raise EngineClosedError("the engine is shut down")
-        if self.errored is not None:
-            raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
-        params = SamplingParams() if params is None else params
+        """Yield the request's output after every step it takes part in; the last one is finished. `prompt` is a
+        prompt (with `params`; checked in a worker thread, never on the event loop) or a `ValidatedRequest`
+        from `prepare` (queued as it is)."""
+        self._check_open()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if isinstance(prompt, ValidatedRequest):
+            if params is not None:
+                raise ValueError("a prepared request carries its own params; pass params=None")
+            request = prompt
+        else:
+            params = SamplingParams() if params is None else params
+            request = await asyncio.get_running_loop().run_in_executor(None, self.prepare, prompt, params)
+            self._check_open()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt, params))
+        self._pending_adds.append((request_id, request))
         self._start()
         finished = False
         try:
@@ -123,9 +147,15 @@ class AsyncLLMEngine:
                 await self.abort(request_id)
             self._streams.pop(request_id, None)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is shut down")
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step."""
-        if any(r == request_id for r, _, _ in self._pending_adds):
+        if any(r == request_id for r, _ in self._pending_adds):
             self._pending_adds = [p for p in self._pending_adds if p[0] != request_id]
             self._stats = self.engine.get_stats() if self._task is None else self._stats
             return
@@ -143,9 +173,9 @@ class AsyncLLMEngine:
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, prompt, params in adds:
+        for request_id, request in adds:
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, request)
             except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
                 stream = self._streams.get(request_id)
                 if stream is not None:

@@ -84,7 +84,7 @@ def _maybe_json(value: Any) -> Any:
     if isinstance(value, str) and value.strip().startswith(("[", "{")):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # not JSON (or nested absurdly deep): the string itself
             return value
     return value
 

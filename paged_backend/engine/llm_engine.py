@@ -16,12 +16,12 @@ from paged_backend.engine.detokenizer import stop_string_in_candidate
 from paged_backend.errors import EngineDeadError, InvalidRequest
 from paged_backend.engine.input_builder import prepare_inputs
 from paged_backend.worker.loader import check_module_dtype
-from paged_backend.engine.metrics import Counters, EngineStats
+from paged_backend.engine.metrics import Counters, EngineStats, cache_config_info, observe_phases
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.model_support import check_model_supported, uniform_window
 from paged_backend.engine.output_builder import OutputBuilder
 from paged_backend.engine.outputs import RequestOutput
-from paged_backend.engine.request_intake import PromptType, RequestIntake
+from paged_backend.engine.request_intake import PromptType, RequestIntake, ValidatedRequest
 from paged_backend.sampling.sampler import Sampler
 from paged_backend.sampling_params import RequestOutputKind, SamplingParams
 from paged_backend.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -29,7 +29,6 @@ from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 from paged_backend.worker.sizing import KVCacheSize, size_kv_cache
 from paged_backend.worker.step_inputs import Runner
 from paged_backend.engine.streaming import DeltaTracker
-from paged_backend.sampling.token_constraints import with_constraints
 from paged_backend.engine.token_processor import TokenProcessor, sample_generator
 
 logger = logging.getLogger(__name__)
@@ -97,6 +96,7 @@ class LLMEngine:
         self._deltas: Dict[str, DeltaTracker] = {}       # requests that want delta / final-only outputs
         self.intake = RequestIntake(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                     self.config, self.block_manager, self.sliding_window)
+        self._cache_info = cache_config_info(self.config.cache, self.kv_size, self.sliding_window)
         self.tokens = TokenProcessor(self.block_manager, self.sampler, self.tokenizer,
                                      self.counters, self.eos_token_ids, self.max_model_len)
 
@@ -138,9 +138,21 @@ class LLMEngine:
         """Characters above which a text prompt cannot fit the context (refused without tokenizing it)."""
         return self.intake.max_prompt_chars
 
-    def encode(self, prompt: PromptType, truncate: Optional[int] = None) -> List[int]:
-        """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens)."""
-        return self.intake.encode(prompt, truncate)
+    def encode(self, prompt: PromptType, truncate: Optional[int] = None, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens; a text far
+        beyond the context is refused before it is tokenized whole)."""
+        return self.intake.encode(prompt, truncate, add_special_tokens)
+
+    def prepare_requests(self, prompts: Seq[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
+        """Check requests once and do their preparation (tokenizing, token constraints, grammar compilation):
+        one `ValidatedRequest` per prompt, all with `params`, to pass to `add_request`; an `InvalidRequest`
+        saying why the engine would refuse them. Reads only configuration: safe while a step runs in another
+        thread, so servers call it off their event loop."""
+        return self.intake.validate(prompts, params)
+
+    def prepare_request(self, prompt: PromptType, params: SamplingParams) -> ValidatedRequest:
+        """`prepare_requests` for one prompt."""
+        return self.intake.validate([prompt], params)[0]
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
         """Token ids of a prompt, or an `InvalidRequest` saying why the engine would refuse the request.
@@ -158,21 +170,33 @@ class LLMEngine:
         `PromptTooLong` / `CannotFit` when it cannot be had."""
         return self.intake.fit_max_tokens(prompt_len, params, default, param)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue a request; raises ValueError for bad input or a prompt that can never fit."""
-        params = SamplingParams() if params is None else params
+    def fit_request(self, request: ValidatedRequest, default: Optional[int] = None,
+                    param: str = "max_tokens") -> ValidatedRequest:
+        """A prepared request with `max_tokens` settled for its prompt (see `fit_max_tokens`)."""
+        return self.intake.fit_request(request, default, param)
+
+    def add_request(self, request_id: str, prompt: Union[PromptType, ValidatedRequest],
+                    params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None) -> None:
+        """Queue a request: a prompt and its params (checked here), or a `ValidatedRequest` from
+        `prepare_request` (queued as it is); raises ValueError for bad input or a prompt that can never fit."""
         if self.errored is not None:
             raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        ids = self.validate_request(prompt, params)
-        params = with_constraints(params, self.tokenizer, self.vocab_size) or params
-        group = SequenceGroup(request_id, prompt if isinstance(prompt, str) else None, ids, params,
-                              arrival_time, self.eos_token_ids)
+        if isinstance(prompt, ValidatedRequest):
+            if params is not None:
+                raise InvalidRequest("a prepared request carries its own params; pass params=None", param="params")
+            request = prompt
+        else:
+            request = self.prepare_request(prompt, SamplingParams() if params is None else params)
+        self._queue(request_id, request, arrival_time)
+
+    def _queue(self, request_id: str, request: ValidatedRequest, arrival_time: Optional[float]) -> None:
+        params, ids = request.engine_params(), request.prompt_token_ids
+        group = SequenceGroup(request_id, request.prompt, ids, params, arrival_time, self.eos_token_ids)
         if params.seed is not None:
             group.seqs[0].generator = sample_generator(params.seed, 0)
-        group.seqs[0].grammar = self.intake.grammar(params)
+        group.seqs[0].grammar = request.grammar_state()
         if params.use_beam_search:
             group.beam_state = BeamSearchState(
                 params.beam_width, len(ids), self._max_length(group), float(params.length_penalty),
@@ -227,8 +251,11 @@ class LLMEngine:
         if sched.scheduled or sched.blocks_to_swap_in or sched.blocks_to_swap_out or sched.blocks_to_copy:
             used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
             self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
+            inputs = self._step_inputs(sched)
+            if inputs.num_tokens:
+                self.counters.observe("iteration_tokens", inputs.num_tokens)
             try:
-                logits = self.runner.execute(self._step_inputs(sched))
+                logits = self.runner.execute(inputs)
             except EngineDeadError as exc:
                 self._die(exc)
                 raise
@@ -325,6 +352,9 @@ class LLMEngine:
         observe("request_generation_tokens", sum(len(c.token_ids) for c in output.outputs))
         observe("request_params_n", group.sampling_params.n)
         observe("request_params_best_of", group.sampling_params.num_branches)
+        if group.sampling_params.max_tokens is not None:
+            observe("request_params_max_tokens", group.sampling_params.max_tokens)
+        observe_phases(self.counters, m, output)
 
     # ---- statistics --------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -344,6 +374,8 @@ class LLMEngine:
             prefix_cache_hit_rate=cache.hit_rate if cache else 0.0,
             prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_hits=cache.num_hits if cache else 0,
+            prefix_cache_query_tokens=cache.num_queries * bm.block_size if cache else 0,
+            prefix_cache_hit_tokens=cache.num_hits * bm.block_size if cache else 0,
             num_cached_prefill_tokens=bm.num_cached_prefill_tokens, num_copy_on_write=bm.num_copy_on_write,
             peak_used_blocks=self.counters.peak_used_blocks, max_blocks_per_seq=max_blocks_per_seq,
             num_prompt_tokens=self.counters.num_prompt_tokens,
@@ -354,7 +386,7 @@ class LLMEngine:
             num_requests_aborted=self.counters.num_requests_aborted,
             swap_usage=1.0 - bm.get_num_free_swap_blocks() / bm.num_swap_blocks if bm.num_swap_blocks else 0.0,
             finish_reasons=dict(self.counters.finish_reasons),
-            histograms=self.counters.histogram_snapshots())
+            histograms=self.counters.histogram_snapshots(), cache_config=self._cache_info)
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""

@@ -9,12 +9,16 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Deque, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, Optional, Tuple
+
+if TYPE_CHECKING:
+    from paged_backend.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 5e6
 _COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+_STEP_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 
 # histogram name -> bucket upper bounds (+Inf is implied)
 HISTOGRAM_BUCKETS: Dict[str, Tuple[float, ...]] = {
@@ -26,6 +30,12 @@ HISTOGRAM_BUCKETS: Dict[str, Tuple[float, ...]] = {
     "request_generation_tokens": _TOKEN_BUCKETS,
     "request_params_n": _COUNT_BUCKETS,
     "request_params_best_of": _COUNT_BUCKETS,
+    "request_params_max_tokens": _TOKEN_BUCKETS,
+    "request_prefill_time_seconds": _LATENCY_BUCKETS,       # first scheduled -> first token
+    "request_decode_time_seconds": _LATENCY_BUCKETS,        # first token -> last token
+    "request_inference_time_seconds": _LATENCY_BUCKETS,     # first scheduled -> finished
+    "request_time_per_output_token_seconds": _LATENCY_BUCKETS,  # a request's decode time per token after the first
+    "iteration_tokens": _STEP_TOKEN_BUCKETS,                # tokens run through the model per engine step
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 RECENT_VALUES = 4096  # observations each snapshot keeps, for exporters that can only `observe` (Triton)
@@ -115,6 +125,10 @@ class EngineStats:
     num_requests_failed: int        # ended with an error
     num_requests_aborted: int       # of the finished: aborted by the caller
     swap_usage: float = 0.0         # used host (swap) blocks / all host blocks
+    prefix_cache_query_tokens: int = 0  # tokens of the full prompt blocks looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0    # of those, tokens found cached
+    # the cache's configuration as label values (vLLM's `cache_config_info`)
+    cache_config: Dict[str, str] = field(default_factory=dict)
     # requests that ended, by finish reason ("stop", "length", "abort", "error")
     finish_reasons: Dict[str, int] = field(default_factory=dict)
     # per-request histograms (HISTOGRAM_BUCKETS)
@@ -145,3 +159,26 @@ class Counters:
 
     def histogram_snapshots(self) -> Dict[str, HistogramSnapshot]:
         return {name: h.snapshot() for name, h in self.histograms.items()}
+
+
+def observe_phases(counters: Counters, m: Any, output: "RequestOutput") -> None:
+    """A finished request's phase times (vLLM v1's prefill / decode / inference histograms) from its metrics
+    (`RequestMetrics`: first scheduled, first and last token, finished)."""
+    if m.first_scheduled_time is None or m.first_token_time is None:
+        return
+    counters.observe("request_prefill_time_seconds", max(m.first_token_time - m.first_scheduled_time, 0.0))
+    counters.observe("request_inference_time_seconds", max(m.finished_time - m.first_scheduled_time, 0.0))
+    decode = max((m.last_token_time or m.first_token_time) - m.first_token_time, 0.0)
+    counters.observe("request_decode_time_seconds", decode)
+    generated = max((len(c.token_ids) for c in output.outputs), default=0)
+    if generated > 1:
+        counters.observe("request_time_per_output_token_seconds", decode / (generated - 1))
+
+
+def cache_config_info(cache: Any, kv_size: Any, sliding_window: Optional[int]) -> Dict[str, str]:
+    """The KV cache's configuration as strings, the label values of vLLM's `cache_config_info` gauge."""
+    return {"block_size": str(cache.block_size), "num_gpu_blocks": str(kv_size.num_blocks),
+            "num_cpu_blocks": str(kv_size.num_swap_blocks), "cache_dtype": str(cache.kv_cache_dtype),
+            "enable_prefix_caching": str(bool(cache.enable_prefix_caching)),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "sliding_window": str(sliding_window)}

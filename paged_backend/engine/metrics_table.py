@@ -13,14 +13,15 @@ from typing import Dict, Iterator, Optional, Tuple
 
 from paged_backend.engine.metrics import EngineStats, HistogramSnapshot
 
-GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+GAUGE, COUNTER, HISTOGRAM, INFO = "gauge", "counter", "histogram", "info"  # info: a gauge of 1, labelled
 FINISH_REASON = "finished_reason"
 
 
 @dataclass(frozen=True)
 class MetricSpec:
     """One exported metric. `source` is an `EngineStats` field; for histograms a key of
-    `EngineStats.histograms`; with `label`, a dict field whose keys become that label's values."""
+    `EngineStats.histograms`; with `label`, a dict field whose keys become that label's values; for INFO a
+    dict field of label names and values (exported as a gauge of 1)."""
 
     name: str
     help: str
@@ -116,6 +117,28 @@ METRICS: Tuple[MetricSpec, ...] = (
     _vllm("request_params_n", "Histogram of the n request parameter", HISTOGRAM, "request_params_n"),
     _vllm("request_params_best_of", "Histogram of the best_of request parameter (beam width for beam search)",
           HISTOGRAM, "request_params_best_of"),
+    # ---- vLLM v1's series (tokens where v1 counts tokens) ----
+    _vllm("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens (full prompt blocks)",
+          COUNTER, "prefix_cache_query_tokens"),
+    _vllm("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", COUNTER,
+          "prefix_cache_hit_tokens"),
+    _vllm("prompt_tokens_cached", "Number of cached prompt tokens", COUNTER, "num_cached_prefill_tokens"),
+    _vllm("inter_token_latency_seconds", "Histogram of inter-token latency in seconds", HISTOGRAM,
+          "time_per_output_token_seconds"),
+    _vllm("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request",
+          HISTOGRAM, "request_time_per_output_token_seconds"),
+    _vllm("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request", HISTOGRAM,
+          "request_prefill_time_seconds"),
+    _vllm("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request", HISTOGRAM,
+          "request_decode_time_seconds"),
+    _vllm("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request", HISTOGRAM,
+          "request_inference_time_seconds"),
+    _vllm("iteration_tokens_total", "Histogram of number of tokens per engine_step", HISTOGRAM, "iteration_tokens"),
+    _vllm("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens",
+          HISTOGRAM, "request_params_max_tokens"),
+    _vllm("request_params_max_tokens", "Histogram of the max_tokens request parameter", HISTOGRAM,
+          "request_params_max_tokens"),
+    _vllm("cache_config_info", "Information of the LLMEngine CacheConfig", INFO, "cache_config"),
 )
 
 
@@ -129,6 +152,11 @@ def labelled_values(spec: MetricSpec, stats: EngineStats) -> Iterator[Tuple[str,
     counts: Dict[str, int] = getattr(stats, spec.source)
     for label in spec.label_values:
         yield label, float(counts.get(label, 0))
+
+
+def info_labels(spec: MetricSpec, stats: EngineStats) -> Dict[str, str]:
+    """The label names and values of an INFO metric."""
+    return dict(getattr(stats, spec.source))
 
 
 def histogram(spec: MetricSpec, stats: EngineStats) -> HistogramSnapshot:

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
+
+from paged_backend.sampling.logprob import Logprob
 
 if TYPE_CHECKING:
     import torch
+
+
+def ranked(top: Optional[Mapping[int, float]], k: Optional[int] = None) -> List[Tuple[int, float]]:
+    """A position's top logprobs best first ((token id, logprob) pairs), the first `k` of them: by the engine's
+    rank where it gives one, else by value. The one ordering every front uses."""
+    def order(item: Tuple[int, float]) -> tuple:
+        rank = getattr(item[1], "rank", None)
+        return (rank if rank is not None else float("inf"), -float(item[1]))
+
+    items = sorted((top or {}).items(), key=order)
+    return items if k is None else items[:k]
 
 
 @dataclass
@@ -17,7 +30,7 @@ class CompletionOutput:
     text: str
     token_ids: List[int]
     cumulative_logprob: float
-    logprobs: Optional[List[Dict[int, float]]] = None
+    logprobs: Optional[List[Dict[int, Logprob]]] = None   # per new token: its top logprobs and its own, ranked
     finish_reason: Optional[str] = None       # "stop" | "length" | "abort" | None while running
     stop_reason: Optional[object] = None      # the stop string or stop token id that ended it
     beam_score: Optional[float] = None        # beam search: cumulative_logprob / len ** length_penalty

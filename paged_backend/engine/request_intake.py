@@ -1,19 +1,58 @@
 """Request intake: prompts encoded and checked, parameters checked against the model and the cache, and
-how many new tokens a prompt can still get. Reads only configuration, so fronts may call it while a step runs."""
+how many new tokens a prompt can still get. Reads only configuration, so fronts may call it while a step runs.
+
+A request is checked once: `validate` returns `ValidatedRequest`s (the prompt's token ids, and the work the
+parameters need done once: token constraints built, grammar compiled), which the engine queues as they are.
+Fronts validate in worker threads and hand the result on, so nothing is tokenized or compiled on an event loop.
+"""
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.config import EngineConfig
 from paged_backend.errors import CannotFit, InvalidParameter, InvalidRequest, PromptTooLong
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.structured.compiler import compiler_for
+from paged_backend.structured.compiler import CompiledConstraint, compiler_for
 from paged_backend.structured.matcher import GrammarState
 from paged_backend.sampling.token_constraints import constraint_processors
 
 PromptType = Union[str, List[int]]
+# A text prompt is tokenized in growing prefixes (this many characters per context token first, then four
+# times more each round), so a prompt far beyond the context is refused after tokenizing about a context's worth.
+_PROBE_CHARS_PER_TOKEN = 8
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request the engine has checked and prepared (`LLMEngine.prepare_request`): the prompt's token ids,
+    its parameters, the logits processors of its token constraints and its compiled grammar. The engine queues
+    it without checking it again; only `max_tokens` may change afterwards (`with_max_tokens`)."""
+
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    params: SamplingParams
+    constraints: Tuple[Callable, ...] = ()
+    grammar: Optional[CompiledConstraint] = None
+
+    def with_max_tokens(self, max_tokens: int) -> "ValidatedRequest":
+        """The same request with `max_tokens` set (re-checked against the other parameters)."""
+        if max_tokens == self.params.max_tokens:
+            return self
+        return dataclasses.replace(self, params=self.params.replace(max_tokens=max_tokens))
+
+    def engine_params(self) -> SamplingParams:
+        """The parameters the engine runs: the request's, with its constraints' processors appended."""
+        if not self.constraints:
+            return self.params
+        return self.params.replace(logits_processors=list(self.params.logits_processors) + list(self.constraints))
+
+    def grammar_state(self) -> Optional[GrammarState]:
+        """A fresh matcher for the request's grammar (None without structured outputs)."""
+        return GrammarState(self.grammar) if self.grammar is not None else None
 
 
 class RequestIntake:
@@ -29,6 +68,7 @@ class RequestIntake:
         self.block_manager = block_manager
         self.sliding_window = sliding_window
         self._max_prompt_chars: Optional[int] = None
+        _ = self.max_prompt_chars  # reads the whole vocabulary (a few hundred ms holding the GIL): not mid-serving
 
     @property
     def max_prompt_chars(self) -> int:
@@ -42,8 +82,10 @@ class RequestIntake:
             self._max_prompt_chars = self.max_model_len * max(longest, 1) * (4 if normalizes else 1)
         return self._max_prompt_chars
 
-    def encode(self, prompt: PromptType, truncate: Optional[int] = None) -> List[int]:
-        """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens)."""
+    def encode(self, prompt: PromptType, truncate: Optional[int] = None, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens). Without
+        `truncate`, a text whose first part already holds the whole context is refused (`PromptTooLong`)
+        without tokenizing the rest."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this engine has no tokenizer: pass prompts as token ids", param="prompt")
@@ -53,7 +95,7 @@ class RequestIntake:
                 raise PromptTooLong(f"prompt has {len(prompt)} characters, more than any prompt that fits the "
                                     f"model's context of {self.max_model_len} tokens can have "
                                     f"({self.max_prompt_chars})", param="prompt")
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            ids = self._tokenize(prompt, add_special_tokens, bounded=truncate is None)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
@@ -67,27 +109,60 @@ class RequestIntake:
                                  param="prompt")
         return ids[-truncate:] if truncate is not None else ids
 
-    def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
-        """Token ids of a prompt (truncated as `params.truncate_prompt_tokens` says), or an `InvalidRequest`
-        saying why the engine would refuse the request (`PromptTooLong`, `CannotFit`, `InvalidParameter`).
-        Reads only configuration, so it is safe to call while a step runs in another thread."""
+    def _tokenize(self, text: str, add_special_tokens: bool, bounded: bool) -> List[int]:
+        """The text's token ids. `bounded`: tokenize growing prefixes, each cut after a whitespace (so the words
+        before the cut tokenize as in the whole text), and refuse the text as soon as one holds the context."""
+        size = self.max_model_len * _PROBE_CHARS_PER_TOKEN
+        while bounded and size < len(text):
+            cut = max(text.rfind(" ", 0, size), text.rfind("\n", 0, size))
+            if cut <= 0:
+                break  # no whitespace to cut at: tokenize the whole text (bounded by max_prompt_chars)
+            count = len(self.tokenizer(text[:cut], add_special_tokens=add_special_tokens)["input_ids"])
+            if count >= self.max_model_len:
+                raise PromptTooLong(f"prompt has more than {count} tokens (counted in its first {cut} of {len(text)} "
+                                    f"characters); the model's context is {self.max_model_len} tokens and at least "
+                                    f"one must remain for output", param="prompt")
+            size *= 4
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def validate(self, prompts: Sequence[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
+        """One `ValidatedRequest` per prompt (all with `params`; the parameters' work is done once), or an
+        `InvalidRequest` saying why the engine would refuse them (`PromptTooLong`, `CannotFit`,
+        `InvalidParameter`). Reads only configuration, so it is safe to call while a step runs in another thread."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}", param="params")
-        ids = self.encode(prompt, params.truncate_prompt_tokens)
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLong(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
-                                f"and at least one must remain for output", param="prompt")
+        ids = [self._prompt_ids(prompt, params) for prompt in prompts]
         self._check_params(params)
         if params.num_branches > self.config.scheduler.max_num_seqs:
             raise CannotFit(f"the request runs {params.num_branches} sequences at once (best_of / beam_width) "
                             f"but max_num_seqs is {self.config.scheduler.max_num_seqs}",
                             param="beam_width" if params.use_beam_search else "best_of")
+        constraints = tuple(constraint_processors(params, self.tokenizer, self.vocab_size))
+        grammar = self.compile_grammar(params)  # an invalid schema, regex or grammar is an InvalidParameter
+        return [ValidatedRequest(prompt if isinstance(prompt, str) else None, prompt_ids, params, constraints, grammar)
+                for prompt, prompt_ids in zip(prompts, ids)]
+
+    def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """Token ids of a prompt (truncated as `params.truncate_prompt_tokens` says), or the `InvalidRequest`
+        the engine would refuse the request with (see `validate`)."""
+        return self.validate([prompt], params)[0].prompt_token_ids
+
+    def _prompt_ids(self, prompt: PromptType, params: SamplingParams) -> List[int]:
+        """The prompt's token ids, checked against the context and the KV cache."""
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None and truncate > self.max_model_len:  # vLLM's rule
+            raise PromptTooLong(f"truncate_prompt_tokens={truncate} is greater than the model's context of "
+                                f"{self.max_model_len} tokens; select a smaller truncation size",
+                                param="truncate_prompt_tokens")
+        ids = self.encode(prompt, truncate)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
+                                f"and at least one must remain for output", param="prompt")
         bm = self.block_manager
         needed = bm.blocks_for(len(ids) + 1)
         if needed > bm.num_blocks - bm.watermark_blocks:
             raise CannotFit(f"prompt of {len(ids)} tokens needs {needed} KV blocks but the cache holds only "
                             f"{bm.num_blocks} blocks of {bm.block_size} tokens", param="prompt")
-        self.grammar(params)  # an invalid schema, regex or grammar is this request's InvalidParameter
         return ids
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -103,10 +178,9 @@ class RequestIntake:
         if params.logprobs is not None and params.logprobs > limit:
             raise InvalidParameter(f"logprobs={params.logprobs} is more than this engine returns (max_logprobs="
                                    f"{limit})", param="logprobs")
-        constraint_processors(params, self.tokenizer, self.vocab_size)  # raises for ids outside the vocabulary
 
-    def grammar(self, params: SamplingParams) -> Optional[GrammarState]:
-        """A fresh matcher state for the request's structured-output constraint (compiled once, cached)."""
+    def compile_grammar(self, params: SamplingParams) -> Optional[CompiledConstraint]:
+        """The request's structured-output constraint, compiled (once per constraint: cached)."""
         if params.structured_outputs is None:
             return None
         if self.tokenizer is None:
@@ -114,13 +188,19 @@ class RequestIntake:
                                    param="structured_outputs")
         compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
         try:
-            return GrammarState(compiler.compile(params.structured_outputs))
+            return compiler.compile(params.structured_outputs)
         except InvalidParameter:
             raise
         except ValueError as exc:
             raise InvalidParameter(str(exc), param="structured_outputs") from None
 
     # ---- how many tokens a request may generate ------------------------------------------------
+    def fit_request(self, request: ValidatedRequest, default: Optional[int] = None,
+                    param: str = "max_tokens") -> ValidatedRequest:
+        """`request` with `max_tokens` settled for its prompt (see `fit_max_tokens`)."""
+        fitted = self.fit_max_tokens(len(request.prompt_token_ids), request.params, default, param)
+        return request.with_max_tokens(fitted.max_tokens)
+
     def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
         """How many new tokens each of `num_branches` sequences can still get after a prompt of `prompt_len`
         tokens: the room left in the context, and in the KV cache when the request runs alone (its full prompt

@@ -22,8 +22,9 @@ import torch
 
 from paged_backend import kernels
 from paged_backend.sampling.logits_processors import ProcessorRow, apply_logits_processors
-from paged_backend.structured.matcher import GrammarMasker, GrammarState
+from paged_backend.sampling.logprob import Logprob
 from paged_backend.sampling_params import SamplingParams
+from paged_backend.structured.matcher import GrammarMasker, GrammarState
 
 NEG_INF = float("-inf")
 
@@ -57,7 +58,7 @@ class SampleRequest:
 class SampleResult:
     token_ids: List[int]
     logprobs: List[float]
-    top_logprobs: Optional[List[Dict[int, float]]] = None
+    top_logprobs: Optional[List[Dict[int, Logprob]]] = None
     scores: Optional[torch.Tensor] = None   # processed scores of the row (output_scores)
     logits: Optional[torch.Tensor] = None   # raw logits of the row (output_scores)
     error: Optional[str] = None             # the row could not be sampled: why (its request fails)
@@ -171,7 +172,8 @@ class Sampler:
             result = SampleResult(row_tokens, row_lps)
             if req.params.logprobs is not None:
                 top = self._top_logprobs(scores[i], int(draws.kept[i]), float(draws.log_norm[i]), req.params.logprobs)
-                result.top_logprobs = [{**top, t: lp} for t, lp in zip(row_tokens, row_lps)]
+                result.top_logprobs = [{**top, t: Logprob(lp, top[t].rank if t in top else self._rank(scores[i], t))}
+                                       for t, lp in zip(row_tokens, row_lps)]
             if req.params.output_scores:
                 result.scores = self._kept_scores(scores[i], int(draws.kept[i]))
                 result.logits = raw[i].clone()
@@ -179,12 +181,18 @@ class Sampler:
         return results
 
     @staticmethod
-    def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, float]:
-        """The k most likely kept tokens and their log-probabilities under the truncated distribution."""
+    def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, Logprob]:
+        """The k most likely kept tokens and their log-probabilities under the truncated distribution, ranked."""
         if not k:
             return {}
         values, ids = row.topk(min(k, kept))
-        return dict(zip(ids.tolist(), (values.double() - log_norm).tolist()))
+        return {t: Logprob(lp, rank) for rank, (t, lp) in
+                enumerate(zip(ids.tolist(), (values.double() - log_norm).tolist()), start=1)}
+
+    @staticmethod
+    def _rank(row: torch.Tensor, token: int) -> int:
+        """A token's rank in the row (1 + how many tokens score higher), as vLLM ranks a sampled token."""
+        return int((row > row[token]).sum()) + 1
 
     @staticmethod
     def _kept_scores(row: torch.Tensor, kept: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ per-request logits processors, checked against the model's vocabulary when the r
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -51,32 +51,52 @@ class AllowedTokens:
 
 
 class BadWords:
-    """Masks the last token of each word's token sequence where the output so far ends with its prefix."""
+    """Masks the last token of each word's token sequence where the output so far ends with its prefix.
+
+    The sequences are indexed by prefix, so a step costs one lookup per distinct prefix length, not one
+    comparison per word."""
 
     def __init__(self, sequences: List[List[int]]) -> None:
         self.sequences = sequences
+        self.always = sorted({seq[-1] for seq in sequences if len(seq) == 1})
+        self.after: Dict[int, Dict[tuple, List[int]]] = {}  # prefix length -> prefix -> banned last tokens
+        for seq in sequences:
+            if len(seq) > 1:
+                self.after.setdefault(len(seq) - 1, {}).setdefault(tuple(seq[:-1]), []).append(seq[-1])
 
     def __call__(self, output_ids: List[int], logits: torch.Tensor) -> torch.Tensor:
-        banned = [seq[-1] for seq in self.sequences
-                  if len(seq) == 1 or (len(output_ids) >= len(seq) - 1
-                                       and list(output_ids[len(output_ids) - len(seq) + 1:]) == seq[:-1])]
+        banned = list(self.always)
+        for length, by_prefix in self.after.items():
+            if len(output_ids) >= length:
+                banned += by_prefix.get(tuple(output_ids[len(output_ids) - length:]), ())
         if banned:
             logits[torch.tensor(banned, dtype=torch.long, device=logits.device)] = NEG_INF
         return logits
 
 
+_WORDS_PER_CALL = 128  # a batched tokenizer call holds the GIL throughout: keep each one short
+
+
+def _tokenize_words(tokenizer, texts: List[str]) -> List[List[int]]:
+    ids: List[List[int]] = []
+    for start in range(0, len(texts), _WORDS_PER_CALL):
+        ids += tokenizer(texts[start:start + _WORDS_PER_CALL], add_special_tokens=False)["input_ids"]
+    return ids
+
+
 def bad_word_sequences(tokenizer, words: Sequence[str]) -> List[List[int]]:
     """The token sequences of each word: as the text's first word and, when it tokenizes differently, after
-    a space (the same word in the middle of a text)."""
+    a space (the same word in the middle of a text). Tokenized in batches of `_WORDS_PER_CALL` words."""
+    stripped = [word.lstrip() for word in words]
+    plain_ids = _tokenize_words(tokenizer, stripped)
+    spaced_ids = _tokenize_words(tokenizer, [" " + word for word in stripped])
     sequences: List[List[int]] = []
-    for word in words:
-        plain = list(tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+    for plain, spaced in zip(plain_ids, spaced_ids):
         if not plain:
             continue
-        sequences.append(plain)
-        spaced = list(tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
-        if spaced and spaced != plain:
-            sequences.append(spaced)
+        sequences.append(list(plain))
+        if spaced and list(spaced) != list(plain):
+            sequences.append(list(spaced))
     return sequences
 
 
@@ -96,11 +116,3 @@ def constraint_processors(params: SamplingParams, tokenizer, vocab_size: int) ->
         _check_ids("bad_words", [t for seq in sequences for t in seq], vocab_size)
         processors.append(BadWords(sequences))
     return processors
-
-
-def with_constraints(params: SamplingParams, tokenizer, vocab_size: int) -> Optional[SamplingParams]:
-    """`params` with its constraints appended to its logits processors, or None when it has none."""
-    built = constraint_processors(params, tokenizer, vocab_size)
-    if not built:
-        return None
-    return params.replace(logits_processors=list(params.logits_processors) + built)

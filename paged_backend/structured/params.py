@@ -13,25 +13,40 @@ import json as jsonlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from paged_backend.structured.bounded_json import check_depth, loads
+
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+# Bounds on one constraint (far above what vLLM or TGI users send; compiling grows with them): a schema's
+# nesting (JSON levels: each nested object schema is two), the characters of a schema (as JSON), regex,
+# grammar or all choices together, and the number of choices.
+MAX_SCHEMA_DEPTH = 128
+MAX_CONSTRAINT_CHARS = 262_144
+MAX_CHOICES = 4096
+
+
+def _check_size(name: str, chars: int) -> None:
+    if chars > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"structured_outputs.{name} has {chars} characters; at most {MAX_CONSTRAINT_CHARS} are "
+                         f"accepted")
 
 
 def _schema_from(value: Any) -> Dict[str, Any]:
-    """A JSON schema as a dict, from a dict, a JSON string or a pydantic model class."""
+    """A JSON schema as a dict, from a dict, a JSON string or a pydantic model class (bounded in nesting and
+    size: a schema nested thousands of levels deep is a ValueError, not a RecursionError)."""
     if hasattr(value, "model_json_schema"):  # a pydantic model (vLLM accepts these too)
         value = value.model_json_schema()
     if isinstance(value, (str, bytes)):
-        try:
-            value = jsonlib.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        _check_size("json", len(value))
+        value = loads(value, "structured_outputs.json", MAX_SCHEMA_DEPTH)
     if not isinstance(value, dict):
         raise ValueError("structured_outputs.json must be a JSON schema object (a dict or a JSON string "
                          f"of an object), got {type(value).__name__}")
+    check_depth(value, "structured_outputs.json", MAX_SCHEMA_DEPTH)
     try:
-        jsonlib.dumps(value)
+        text = jsonlib.dumps(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"structured_outputs.json cannot be serialized as JSON: {exc}") from None
+    _check_size("json", len(text))
     return value
 
 
@@ -40,6 +55,7 @@ def _check_text(name: str, value: Any, allow_empty: bool) -> None:
         raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
     if not allow_empty and not value.strip():
         raise ValueError(f"structured_outputs.{name} must not be empty")
+    _check_size(name, len(value))
 
 
 def _check_choice(value: Any) -> List[str]:
@@ -47,9 +63,12 @@ def _check_choice(value: Any) -> List[str]:
         raise ValueError(f"structured_outputs.choice must be a list of strings, got {type(value).__name__}")
     if not value:
         raise ValueError("structured_outputs.choice must not be empty")
+    if len(value) > MAX_CHOICES:
+        raise ValueError(f"structured_outputs.choice has {len(value)} choices; at most {MAX_CHOICES} are accepted")
     bad = [c for c in value if not isinstance(c, str)]
     if bad:
         raise ValueError(f"structured_outputs.choice must hold only strings, got {bad[0]!r}")
+    _check_size("choice", sum(len(c) for c in value))
     return list(value)
 
 
@@ -138,10 +157,7 @@ def structured_outputs_from(value: Any) -> Optional[StructuredOutputsParams]:
     if value is None or isinstance(value, StructuredOutputsParams):
         return value
     if isinstance(value, (str, bytes)):
-        try:
-            value = jsonlib.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"structured_outputs is not valid JSON: {exc}") from None
+        value = loads(value, "structured_outputs", MAX_SCHEMA_DEPTH + 1)
     if not isinstance(value, Mapping):
         raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
     known = {f.name for f in fields(StructuredOutputsParams) if f.init}
