@@ -20,7 +20,7 @@ one `topk` of bounded size and falls back to a full sort only for rows whose kep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from paged_backend import SamplingParams, ValidatedRequest, load_json
+from paged_backend import RequestOutputKind, SamplingParams, ValidatedRequest, load_json, sampling_params_from_dict
 from paged_backend.errors import InvalidRequest, PromptTooLong
 
 from .body import StrictBody

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from pydantic import Field
 
-from paged_backend import SamplingParams, ValidatedRequest
+from paged_backend import RequestOutputKind, SamplingParams, ValidatedRequest, sampling_params_from_dict
 from paged_backend.errors import InvalidRequest
 
 from .body import StrictBody

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Optional, Protocol
 
 import numpy as np
 
-from paged_backend import AsyncLLMEngine, ValidatedRequest
+from paged_backend import AsyncLLMEngine, EngineStats, ValidatedRequest
 from paged_backend.errors import EngineClosedError, EngineDeadError, InvalidRequest
 
 from .request_inputs import VLLM_DEFAULT_MAX_TOKENS, GenerateRequest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 

@@ -15,7 +15,7 @@ only for the rows that ask for top logprobs or scores, and only over their kept 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
