@@ -273,6 +273,7 @@ class Scheduler:
             chunk = min(todo, budget.tokens)
             if chunk <= 0:
                 return
+            chunk = self.block_manager.grow_for_chunk(seq, chunk)  # a windowed sequence's chunk: free blocks permitting
             out.scheduled.append(ScheduledSeq(group, seq, chunk))
             budget.tokens -= chunk
 
