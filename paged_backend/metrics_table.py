@@ -13,14 +13,15 @@ from typing import Dict, Iterator, Optional, Tuple
 
 from .metrics import EngineStats, HistogramSnapshot
 
-GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+GAUGE, COUNTER, HISTOGRAM, INFO = "gauge", "counter", "histogram", "info"  # info: a gauge of 1, labelled
 FINISH_REASON = "finished_reason"
 
 
 @dataclass(frozen=True)
 class MetricSpec:
     """One exported metric. `source` is an `EngineStats` field; for histograms a key of
-    `EngineStats.histograms`; with `label`, a dict field whose keys become that label's values."""
+    `EngineStats.histograms`; with `label`, a dict field whose keys become that label's values; for INFO a
+    dict field of label names and values (exported as a gauge of 1)."""
 
     name: str
     help: str
@@ -89,6 +90,8 @@ METRICS: Tuple[MetricSpec, ...] = (
     _ours("time_per_output_token_seconds", "Time between a request's successive steps with new tokens", HISTOGRAM,
           "time_per_output_token_seconds"),
     _ours("e2e_request_latency_seconds", "Arrival to finish, per request", HISTOGRAM, "e2e_request_latency_seconds"),
+    _ours("kernel_info", "The kernels in use: attention triton, cpp or torch; sampler cpp or torch (torch when the "
+          "C++ kernels could not be built)", INFO, "kernels"),
     # ---- vLLM's names for the same values ----
     _vllm("num_requests_running", "Number of requests currently running", GAUGE, "num_running"),
     _vllm("num_requests_waiting", "Number of requests waiting to be processed", GAUGE, "num_waiting"),
@@ -129,6 +132,11 @@ def labelled_values(spec: MetricSpec, stats: EngineStats) -> Iterator[Tuple[str,
     counts: Dict[str, int] = getattr(stats, spec.source)
     for label in spec.label_values:
         yield label, float(counts.get(label, 0))
+
+
+def info_labels(spec: MetricSpec, stats: EngineStats) -> Dict[str, str]:
+    """The label names and values of an INFO metric."""
+    return dict(getattr(stats, spec.source))
 
 
 def histogram(spec: MetricSpec, stats: EngineStats) -> HistogramSnapshot:

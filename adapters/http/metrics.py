@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from paged_backend import AsyncLLMEngine
-from paged_backend.metrics_table import COUNTER, GAUGE, METRICS, MetricSpec, histogram, labelled_values, value
+from paged_backend.metrics_table import (COUNTER, GAUGE, INFO, METRICS, MetricSpec, histogram, info_labels,
+                                        labelled_values, value)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -36,6 +37,10 @@ class _EngineCollector:
         if spec.kind == GAUGE:
             family = GaugeMetricFamily(spec.name, spec.help, labels=names)
             family.add_metric(values, value(spec, stats))
+        elif spec.kind == INFO:
+            info = info_labels(spec, stats)
+            family = GaugeMetricFamily(spec.name, spec.help, labels=names + list(info))
+            family.add_metric(values + list(info.values()), 1.0)
         elif spec.kind == COUNTER:
             family = CounterMetricFamily(spec.name, spec.help, labels=names + ([spec.label] if spec.label else []))
             if spec.label:

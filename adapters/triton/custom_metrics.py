@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from paged_backend.metrics import HISTOGRAM_BUCKETS, EngineStats
-from paged_backend.metrics_table import COUNTER, GAUGE, HISTOGRAM, METRICS, MetricSpec, histogram, labelled_values, value
+from paged_backend.metrics_table import (COUNTER, GAUGE, HISTOGRAM, INFO, METRICS, MetricSpec, histogram, info_labels,
+                                        labelled_values, value)
 
 
 class TritonEngineMetrics:
@@ -19,15 +20,19 @@ class TritonEngineMetrics:
 
     def __init__(self, pb_utils: Any, labels: Dict[str, str]) -> None:
         kinds = {GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
-                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}
+                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM, INFO: pb_utils.MetricFamily.GAUGE}
+        self._labels = labels
         self._families: List[Any] = []
+        self._info_families: Dict[str, Any] = {}  # INFO metrics get their labels from the first snapshot
         # (spec, label value or None) -> metric
         self._metrics: Dict[Tuple[str, Optional[str]], Any] = {}
         self._last: Dict[Tuple[str, Optional[str]], float] = {}
         for spec in METRICS:
             family = pb_utils.MetricFamily(name=spec.sample_name, description=spec.help, kind=kinds[spec.kind])
             self._families.append(family)
-            if spec.label:
+            if spec.kind == INFO:
+                self._info_families[spec.name] = family
+            elif spec.label:
                 for label_value in spec.label_values:
                     self._metrics[(spec.name, label_value)] = family.Metric(labels={**labels, spec.label: label_value})
             elif spec.kind in (GAUGE, COUNTER):
@@ -41,6 +46,8 @@ class TritonEngineMetrics:
         for spec in METRICS:
             if spec.kind == GAUGE:
                 self._set((spec.name, None), value(spec, stats))
+            elif spec.kind == INFO:
+                self._set_info(spec, stats)
             elif spec.kind == COUNTER and spec.label:
                 for label_value, count in labelled_values(spec, stats):
                     self._grow((spec.name, label_value), count)
@@ -53,6 +60,13 @@ class TritonEngineMetrics:
         if self._last.get(key) != current:
             self._metrics[key].set(current)
             self._last[key] = current
+
+    def _set_info(self, spec: MetricSpec, stats: EngineStats) -> None:
+        key = (spec.name, None)
+        if key not in self._metrics:
+            labels = {**self._labels, **info_labels(spec, stats)}
+            self._metrics[key] = self._info_families[spec.name].Metric(labels=labels)
+            self._metrics[key].set(1.0)
 
     def _grow(self, key, current: float) -> None:
         delta = current - self._last.get(key, 0.0)
