@@ -106,7 +106,7 @@ class BlockManager:
         for seq in group.active_seqs():
             if seq.seq_id in self.block_tables:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
-            table, holes = self._reuse_cached_prefix(seq)
+            table, holes = self._reuse_cached_prefix(seq, group.fork_pending_len)
             seq.num_computed_tokens = len(table) * self.block_size
             self._num_registered[seq.seq_id] = len(table)
             if holes:
@@ -119,15 +119,17 @@ class BlockManager:
             for seq in group.seqs:
                 self.prefix_cache.unkeep(seq.seq_id)
 
-    def _reuse_cached_prefix(self, seq: Sequence) -> Tuple[List[int], int]:
-        """The table of cached blocks the sequence starts with, and how many of its leading positions are holes."""
+    def _reuse_cached_prefix(self, seq: Sequence, fork_at: Optional[int] = None) -> Tuple[List[int], int]:
+        """The table of cached blocks the sequence starts with, and how many of its leading positions are holes
+        (under a sliding window, a leader whose siblings fork from it at `fork_at` tokens skips no further:
+        they share its blocks there, their windows included)."""
         if self.prefix_cache is None:
             return [], 0
         # At least one token is always computed, so that the step yields logits to sample from.
         num_full = (len(seq) - 1) // self.block_size
         hashes = self._block_hashes(seq, num_full)
         if self.sliding_window is not None:
-            return self._reuse_cached_window(hashes)
+            return self._reuse_cached_window(hashes if fork_at is None else hashes[:fork_at // self.block_size])
         table: List[int] = []
         for block_hash in hashes:
             block = self.prefix_cache.lookup(block_hash)

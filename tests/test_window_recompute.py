@@ -154,3 +154,51 @@ def test_windowed_readmission_reuses_its_window_after_the_head_is_evicted():
     for g in (other, group):
         scheduler.finish_group(g, SequenceStatus.FINISHED_ABORTED)
     assert bm.get_num_free_blocks() == 10
+
+
+def run_windowed_under_pressure(model, tok, requests, mode):
+    """The differential stress workload on a windowed model: blocks of 4 (a window spans three), a cache that
+    holds the longest prompt but not the workload, prefills chunked by an 8-token budget."""
+    engine = LLMEngine(model, tokenizer=tok, block_size=4, num_blocks=14, num_swap_blocks=16,
+                       enable_prefix_caching=True, max_num_batched_tokens=8, preemption_mode=mode)
+    pending = sorted(requests, key=lambda r: r.arrival_step)
+    finals, step = {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0].arrival_step <= step:
+            request = pending.pop(0)
+            engine.add_request(request.request_id, request.prompt, request.params)
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        step += 1
+        assert step <= 3000, f"no progress after {step} steps: {engine.get_stats()}"
+    return engine, finals
+
+
+@pytest.mark.parametrize("mode", ["recompute", None], ids=["recompute", "mixed"])
+def test_windowed_stress_differential(window_seed, mode, dtype):
+    """The differential stress test's random workloads (shared prefixes, greedy, seeded samples, beams, arrivals
+    over several steps) on tiny-mistral under recomputation: greedy and beams equal transformers' generate,
+    seeded samples the request alone; nothing fails, nothing leaks."""
+    from test_stress_differential import alone_reference, hf_reference, random_workload
+
+    model, tok = get_model("tiny-mistral", dtype)
+    requests = random_workload(window_seed)
+    engine, finals = run_windowed_under_pressure(model, tok, requests, mode)
+    stats = engine.get_stats()
+    assert stats.num_recompute_preemptions > 0, stats
+    assert_no_leaks(engine)
+    for request in requests:
+        out = finals[request.request_id]
+        assert out.error is None, (request.request_id, out.error)
+        got = [c.token_ids for c in out.outputs]
+        expected = hf_reference(model, request) if request.params.temperature == 0 else \
+            alone_reference(model, tok, request)
+        assert got == expected, (window_seed, request.request_id, request.params)
+
+
+def pytest_generate_tests(metafunc):
+    """One workload by default; `pytest --stress-seeds=N` runs N // 3 of them (the tiny-llama test runs N)."""
+    if "window_seed" in metafunc.fixturenames:
+        count = max(1, metafunc.config.getoption("stress_seeds") // 3)
+        metafunc.parametrize("window_seed", list(range(count)))
