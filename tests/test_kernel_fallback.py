@@ -14,8 +14,40 @@ import torch
 from conftest import get_model, run_to_completion
 from paged_backend import LLMEngine, SamplingParams, kernels
 from paged_backend.adapters.http.metrics import ServerMetrics
+from paged_backend.adapters.triton.custom_metrics import TritonEngineMetrics
 from paged_backend.info import model_info
 from paged_backend.kernels import cpu_build
+
+
+class FakeTritonMetrics:
+    """The part of Triton's `pb_utils` the custom metrics use: families of metrics that record their labels and
+    value."""
+
+    class MetricFamily:
+        GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+        families = {}
+
+        def __init__(self, name, description, kind):
+            self.name, self.metrics = name, []
+            FakeTritonMetrics.MetricFamily.families[name] = self
+
+        def Metric(self, labels, buckets=None):  # noqa: N802 - Triton's name
+            metric = FakeTritonMetrics.Value(labels)
+            self.metrics.append(metric)
+            return metric
+
+    class Value:
+        def __init__(self, labels):
+            self.labels, self.value = labels, 0.0
+
+        def set(self, value):
+            self.value = value
+
+        def increment(self, value):
+            self.value += value
+
+        def observe(self, value):
+            pass
 
 
 @pytest.fixture
@@ -44,6 +76,7 @@ def test_a_failed_build_is_logged_once_and_shown_by_info_and_the_metrics(fresh_b
             assert kernels.kernel_backend(torch.empty(1)) == "torch"
         report = model_info("tiny-llama")
         metrics = ServerMetrics(engine).render().decode()
+        TritonEngineMetrics(FakeTritonMetrics, {"model": "m", "version": "1"}).update(engine.get_stats())
     assert all(out.error is None for out in finals.values())
     warnings = [r.getMessage() for r in caplog.records if r.name == "paged_backend.kernels.cpu_build"]
     # once, however often the kernel is asked for (the sampler's kernel is used only beside the attention's,
@@ -52,6 +85,9 @@ def test_a_failed_build_is_logged_once_and_shown_by_info_and_the_metrics(fresh_b
     assert "cpu_attention" in warnings[0] and "no-such-compiler" in warnings[0] and "PyTorch" in warnings[0]
     assert engine.get_stats().kernels == {"attention": "torch", "sampler": "torch"}
     assert 'paged_backend:kernel_info{attention="torch",sampler="torch"} 1.0' in metrics
+    [triton] = FakeTritonMetrics.MetricFamily.families["paged_backend:kernel_info"].metrics
+    assert (triton.labels, triton.value) == ({"model": "m", "version": "1", "attention": "torch", "sampler": "torch"},
+                                             1.0)
     lines = report.splitlines()
     assert "kernels (cpu):      attention torch, sampler torch" in lines
     assert any("cpu_attention not built" in line and "no-such-compiler" in line for line in lines)
