@@ -223,7 +223,7 @@ class BlockManager:
                 self.device.free(block)
                 table[i] = new_block
                 copies.append((block, new_block))
-        needed = self.blocks_for(self._needed_len(seq))
+        needed = self.blocks_for(len(seq) if self.sliding_window is None else self._needed_len(seq))
         while len(table) < needed:
             table.append(self.device.allocate())
         self.num_copy_on_write += len(copies)

@@ -273,7 +273,8 @@ class Scheduler:
             chunk = min(todo, budget.tokens)
             if chunk <= 0:
                 return
-            chunk = self.block_manager.grow_for_chunk(seq, chunk)  # a windowed sequence's chunk: free blocks permitting
+            if self.block_manager.sliding_window is not None:  # its chunk's slots come from the blocks free now
+                chunk = self.block_manager.grow_for_chunk(seq, chunk)
             out.scheduled.append(ScheduledSeq(group, seq, chunk))
             budget.tokens -= chunk
 
