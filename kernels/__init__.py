@@ -3,12 +3,14 @@ kernels on CPU tensors, PyTorch elsewhere.
 
 `PAGED_BACKEND_KERNELS=triton|cpp|torch` forces one implementation (with `TRITON_INTERPRET=1`,
 `triton` runs the Triton kernels on the CPU, slowly; `torch` is the pure-PyTorch reference path).
+`kernels_in_use(device)` says which one each op runs (shown by `paged-backend info` and the metrics); a C++
+kernel that cannot be built logs why once and falls back to PyTorch (`kernel_fallback_reasons()`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -32,6 +34,25 @@ def kernel_backend(tensor: torch.Tensor) -> str:
             return "cpp"
         return "torch"
     return choice
+
+
+def kernels_in_use(device: Union[str, torch.device] = "cpu") -> Dict[str, str]:
+    """The implementation each op runs on tensors of `device`: `attention` is 'triton', 'cpp' or 'torch' (as
+    `kernel_backend` picks it), `sampler` 'cpp' or 'torch' (as `sample_rows` picks it). Builds the C++ kernels
+    if they have not been built yet."""
+    from . import cpu_sampling
+
+    probe = torch.empty(0, device=device)
+    attention = kernel_backend(probe)
+    cpp_sampler = probe.device.type == "cpu" and attention == "cpp" and cpu_sampling.available()
+    return {"attention": attention, "sampler": "cpp" if cpp_sampler else "torch"}
+
+
+def kernel_fallback_reasons() -> Dict[str, str]:
+    """Why each C++ kernel that was tried could not be built, by library name (empty when all built)."""
+    from .cpu_build import FUNCTIONS, build_error
+
+    return {name: build_error(name) for name in FUNCTIONS if build_error(name)}
 
 
 def _triton_kernels():
@@ -110,5 +131,6 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
         (reference if impl is cpu else impl).copy_blocks(key_caches, value_caches, block_mapping)
 
 
-__all__ = ["AttentionPlan", "RowDraws", "copy_blocks", "dense_attention", "kernel_backend", "paged_attention",
-           "plan_attention", "plan_paged_attention", "reshape_and_cache", "sample_rows"]
+__all__ = ["AttentionPlan", "RowDraws", "copy_blocks", "dense_attention", "kernel_backend", "kernel_fallback_reasons",
+           "kernels_in_use", "paged_attention", "plan_attention", "plan_paged_attention", "reshape_and_cache",
+           "sample_rows"]

@@ -1,19 +1,23 @@
 """Build and load the CPU kernels (`cpu_attention.cpp`, `cpu_sampler.cpp`) once per machine, through ctypes.
 
 The sources are plain C++17 with OpenMP and no PyTorch headers, so each builds in a few seconds with the
-system compiler (`$CXX`, else `c++`). A shared library is cached under `$PAGED_BACKEND_CACHE/kernels`
-(default `~/.cache/paged_backend/kernels`), named by a hash of the sources, the flags, the compiler and
-the CPU, and written atomically (parallel test processes may race). OpenMP comes from the `libgomp.so.1`
-PyTorch has already loaded, so the kernels' threads are PyTorch's. When no compiler works,
-`load_library(name)` returns None and says why in `build_error(name)`; callers fall back to PyTorch code.
+system compiler: `$CXX`, a command split as a shell would (`CXX="ccache g++"` runs g++ through ccache),
+else `c++`, `g++` or `clang++`. A shared library is cached under `$PAGED_BACKEND_CACHE/kernels` (default
+`~/.cache/paged_backend/kernels`), named by a hash of the sources, the flags, the compiler command and
+version and the CPU, and written atomically (parallel test processes may race). OpenMP comes from the
+`libgomp.so.1` PyTorch has already loaded, so the kernels' threads are PyTorch's. When the compiler fails,
+`load_library(name)` logs why once (a warning), returns None and keeps the reason in `build_error(name)`;
+callers fall back to PyTorch code.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +32,7 @@ _FLAG_SETS: List[List[str]] = [
     ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"],   # compilers without -march=native
 ]
 _errors: Dict[str, str] = {}
+logger = logging.getLogger(__name__)
 
 _p, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 # The exported functions of each library: name -> (restype, argtypes).
@@ -50,8 +55,21 @@ def cache_root() -> Path:
     return Path(root) / "kernels"
 
 
-def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+def compiler_command() -> Tuple[Optional[List[str]], str]:
+    """The compiler as a command line (`$CXX` split as a shell would, its program resolved on PATH; without
+    CXX the first of c++, g++, clang++), or None and why there is none."""
+    cxx = os.environ.get("CXX", "").strip()
+    if not cxx:
+        found = next((path for path in map(shutil.which, ("c++", "g++", "clang++")) if path), None)
+        return ([found], "") if found else (None, "no C++ compiler found (c++, g++ or clang++; set CXX)")
+    try:
+        program, *args = shlex.split(cxx)
+    except ValueError as exc:
+        return None, f"CXX={cxx!r} is not a command line: {exc}"
+    path = shutil.which(program)
+    if path is None:
+        return None, f"CXX={cxx!r}: {program!r} is not an executable file or a program on PATH"
+    return [path, *args], ""
 
 
 def _cpu_identity() -> str:
@@ -65,23 +83,23 @@ def _cpu_identity() -> str:
     return platform.machine() + flags
 
 
-def _library_path(name: str, compiler: str, flags: List[str]) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+def _library_path(name: str, compiler: List[str], flags: List[str]) -> Path:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     sources = [(HERE / f"{name}.cpp").read_text()] + [(HERE / header).read_text() for header in HEADERS]
-    digest = hashlib.sha256("\0".join(sources + [" ".join(flags), version, _cpu_identity()])
+    digest = hashlib.sha256("\0".join(sources + [" ".join(flags), " ".join(compiler), version, _cpu_identity()])
                             .encode()).hexdigest()[:16]
     return cache_root() / f"{name}-{digest}.so"
 
 
-def _compile(source: Path, compiler: str, flags: List[str], target: Path) -> None:
+def _compile(source: Path, compiler: List[str], flags: List[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *flags, str(source), "-o", tmp], capture_output=True, text=True,
+        result = subprocess.run([*compiler, *flags, str(source), "-o", tmp], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(result.stderr.strip()[-2000:] or f"{compiler} exited with {result.returncode}")
+            raise RuntimeError(result.stderr.strip()[-2000:] or f"{compiler[0]} exited with {result.returncode}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -98,10 +116,19 @@ def _bind(name: str, library: ctypes.CDLL) -> ctypes.CDLL:
 
 @lru_cache(maxsize=None)
 def load_library(name: str) -> Optional[ctypes.CDLL]:
-    """The compiled library `name` (a key of FUNCTIONS; built on first use), or None when it cannot be built."""
-    compiler = _compiler()
+    """The compiled library `name` (a key of FUNCTIONS; built on first use), or None when it cannot be built
+    (the reason logged once, as a warning, and kept in `build_error(name)`)."""
+    _errors.pop(name, None)
+    library = _build_and_load(name)
+    if library is None:
+        logger.warning("the C++ kernel %s cannot be built; its PyTorch version runs instead: %s", name, _errors[name])
+    return library
+
+
+def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
+    compiler, why = compiler_command()
     if compiler is None:
-        _errors[name] = "no C++ compiler found (set CXX)"
+        _errors[name] = why
         return None
     errors = []
     for flags in _FLAG_SETS:
@@ -112,7 +139,7 @@ def load_library(name: str) -> Optional[ctypes.CDLL]:
             return _bind(name, ctypes.CDLL(str(path)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             errors.append(f"{' '.join(flags)}: {exc}")
-    _errors[name] = f"{compiler} could not build {name}.cpp: " + " | ".join(errors)
+    _errors[name] = f"{' '.join(compiler)} could not build {name}.cpp: " + " | ".join(errors)
     return None
 
 

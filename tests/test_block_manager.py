@@ -72,10 +72,75 @@ def test_blocks_of_preempted_requests_are_evicted_last():
     blocks = [alloc.allocate() for _ in range(3)]
     for i, block in enumerate(blocks):
         cache.insert(bytes([i]), block)
-    alloc.free(blocks[0], keep_cached=True)   # a request preempted by recomputation: it will be back
+    alloc.free(blocks[0], keep_for=7)   # parked for sequence 7, preempted by recomputation: it will be back
     alloc.free(blocks[1])
     alloc.free(blocks[2])
     assert [alloc.allocate() for _ in range(3)] == [blocks[1], blocks[2], blocks[0]]
+
+
+def _computed_request(bm: BlockManager, tokens: List[int]) -> SequenceGroup:
+    group = make_group(tokens)
+    admit(bm, group)
+    compute(bm, group.seqs[0])
+    return group
+
+
+def _first_evicted(bm: BlockManager, count: int) -> List[int]:
+    """Take free blocks until `count` cached blocks have been evicted; the evicted blocks, in order."""
+    cache, evicted, held = bm.prefix_cache, [], []
+    while len(evicted) < count:
+        before = dict(cache.block_to_hash)
+        held.append(bm.device.allocate())
+        evicted += [b for b in before if b not in cache.block_to_hash]
+    for block in held:
+        bm.device.free(block)
+    return evicted
+
+
+def test_blocks_parked_for_a_preempted_request_lose_priority_when_it_is_aborted():
+    """Preempted by recomputation, a request's blocks are evicted after all others while it waits; once it is
+    aborted they return to the ordinary LRU order (parked before the system prompt's: evicted before them)."""
+    bm = BlockManager(block_size=4, num_blocks=8, enable_prefix_caching=True)
+    preempted = _computed_request(bm, list(range(9)))   # 2 full blocks
+    own = bm.block_tables[preempted.seqs[0].seq_id][:2]
+    bm.free(preempted.seqs[0], will_recompute=True)
+    preempted.set_status(SequenceStatus.WAITING)
+    system = _computed_request(bm, list(range(100, 109)))
+    system_blocks = bm.block_tables[system.seqs[0].seq_id][:2]
+    bm.free_group(system)      # finished: its prompt stays cached for later requests
+    assert _first_evicted(bm, 1)[0] in system_blocks  # while the preempted request waits, its blocks are kept
+    bm.free_group(preempted)   # aborted while waiting (Scheduler.abort frees the group the same way)
+    assert sorted(_first_evicted(bm, 2)) == sorted(own)
+
+
+def test_blocks_parked_for_a_preempted_request_lose_priority_when_it_is_readmitted():
+    """A recomputed request with two samples: the leader is readmitted and reuses the common prefix, the other
+    sample will fork from it and recompute its own tail. The blocks of that tail, parked for it, must not keep
+    their evict-last priority once the request is back: a block parked later by another request outlives them."""
+    bm = BlockManager(block_size=4, num_blocks=16, enable_prefix_caching=True)
+    group = _computed_request(bm, list(range(8)))
+    leader = group.seqs[0]
+    sibling = leader.fork()
+    bm.fork(leader, sibling)
+    group.seqs.append(sibling)
+    for seq, first in ((leader, 20), (sibling, 40)):  # one full block each of its own tokens, and one more
+        for token in range(first, first + 5):
+            seq.append_token(token, 0.0)
+            bm.append_slots(seq)
+            compute(bm, seq)
+    sibling_tail = bm.block_tables[sibling.seq_id][2]
+    for seq in group.seqs:
+        bm.free(seq, will_recompute=True)
+        seq.num_computed_tokens = 0
+    group.fork_pending_len = common_prefix_len(group.seqs)
+    group.set_status(SequenceStatus.WAITING)
+    assert bm.can_allocate(group) == AllocStatus.OK
+    admit(bm, group)
+    assert leader.num_computed_tokens == 12  # the leader found its own blocks
+    later = _computed_request(bm, list(range(100, 105)))
+    later_block = bm.block_tables[later.seqs[0].seq_id][0]
+    bm.free_group(later)
+    assert _first_evicted(bm, 2) == [sibling_tail, later_block]  # parked first, evicted first
 
 
 def test_hash_chains_through_prefix():
@@ -383,7 +448,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 holders[block] += 1
         assert holders == pool.ref_counts
         cache = pool.prefix_cache
-        free = list(pool.free_list) + (list(cache.evictable) + list(cache.evictable_kept) if cache else [])
+        free = list(pool.free_list) + (cache.parked_blocks() if cache else [])
         assert len(free) == len(set(free)) == pool.get_num_free_blocks()
         assert set(free) == {b for b, c in enumerate(pool.ref_counts) if c == 0}
         assert pool.get_num_free_blocks() + sum(1 for c in pool.ref_counts if c) == pool.num_blocks

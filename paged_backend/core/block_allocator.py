@@ -48,15 +48,16 @@ class BlockAllocator:
                 raise ValueError(f"{self.name} block {block} is free and cannot be shared")
         self.ref_counts[block] += 1
 
-    def free(self, block: int, keep_cached: bool = False) -> None:
+    def free(self, block: int, keep_for: Optional[int] = None) -> None:
         """One holder fewer; the block returns to the pool when nobody holds it (a cached block stays in the
-        prefix cache, among the blocks evicted last if `keep_cached`)."""
+        prefix cache; parked for sequence `keep_for`, it is among the blocks evicted last until that sequence
+        comes back or ends, see PrefixCache.park)."""
         count = self.ref_counts[block]
         if count <= 0:
             raise ValueError(f"double free of {self.name} block {block}")
         self.ref_counts[block] = count - 1
         if count == 1:
-            if self.prefix_cache is None or not self.prefix_cache.park(block, keep_cached):
+            if self.prefix_cache is None or not self.prefix_cache.park(block, keep_for):
                 self.free_list.append(block)
 
     def get_num_free_blocks(self) -> int:

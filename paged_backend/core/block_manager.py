@@ -7,7 +7,10 @@ the device is shared on the host too: it is swapped once per step, to one host b
 
 For a model whose every layer attends through a sliding window of W tokens, blocks that lie wholly
 before a sequence's last W tokens are released as it advances: their table positions stay, as holes
-(`HOLE`), so a long generation holds O(W) blocks rather than O(length).
+(`HOLE`), so a long generation holds O(W) blocks rather than O(length). Such a sequence is also admitted
+with only the blocks its next token reads (its window, when the prefix cache holds it) and gets the slots of
+a longer prefill chunk from the blocks free at that step (`grow_for_chunk`): recomputing a long sequence
+after a preemption never needs a block per token.
 """
 
 from __future__ import annotations
@@ -69,14 +72,29 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    def _needed_len(self, seq: Sequence) -> int:
+        """Tokens that must have slots before a step: all of them; under a sliding window only up to the next
+        one to compute (a prefill chunk's further slots come from `grow_for_chunk`)."""
+        if self.sliding_window is None:
+            return len(seq)
+        return min(len(seq), seq.num_computed_tokens + 1)
+
     # ---- admission ---------------------------------------------------------------------------
     def admission_blocks(self, group: SequenceGroup) -> int:
         """Blocks a waiting request holds once admitted (and its siblings forked, when it is being recomputed)."""
+        if self.sliding_window is not None:
+            return self._windowed_admission_blocks(group)
         needed = sum(self.blocks_for(len(seq)) for seq in group.active_seqs())
         shared = group.fork_pending_len
         if shared is not None:
             needed += sum(self.blocks_for(len(seq)) - shared // self.block_size for seq in group.pending_forks())
         return needed
+
+    def _windowed_admission_blocks(self, group: SequenceGroup) -> int:
+        """Under a sliding window a sequence starts with at most its window's cached blocks (with a prefix cache)
+        and one block to compute in; a pending fork takes one block (its own, or a copy of the shared one)."""
+        per_seq = 1 + (self.blocks_for(self.sliding_window - 1) if self.prefix_cache is not None else 0)
+        return sum(min(self.blocks_for(len(seq)), per_seq) for seq in group.active_seqs()) + len(group.pending_forks())
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether a waiting request can get blocks for all of its tokens."""
@@ -84,23 +102,35 @@ class BlockManager:
         return self._status(needed, needed)
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Block tables for the request's waiting sequences, reusing cached prefix blocks when enabled."""
+        """Block tables for the request's waiting sequences, reusing cached prefix blocks when enabled; the
+        blocks parked for its sequences when it was preempted lose their priority (PrefixCache.unkeep)."""
         for seq in group.active_seqs():
             if seq.seq_id in self.block_tables:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
-            table = self._reuse_cached_prefix(seq)
+            table, holes = self._reuse_cached_prefix(seq, group.fork_pending_len)
             seq.num_computed_tokens = len(table) * self.block_size
             self._num_registered[seq.seq_id] = len(table)
-            while len(table) < self.blocks_for(len(seq)):
+            if holes:
+                self._num_released[seq.seq_id] = holes
+            needed = self.blocks_for(self._needed_len(seq))
+            while len(table) < needed:
                 table.append(self.device.allocate())
             self.block_tables[seq.seq_id] = table
+        if self.prefix_cache is not None:
+            for seq in group.seqs:
+                self.prefix_cache.unkeep(seq.seq_id)
 
-    def _reuse_cached_prefix(self, seq: Sequence) -> List[int]:
+    def _reuse_cached_prefix(self, seq: Sequence, fork_at: Optional[int] = None) -> Tuple[List[int], int]:
+        """The table of cached blocks the sequence starts with, and how many of its leading positions are holes
+        (under a sliding window, a leader whose siblings fork from it at `fork_at` tokens skips no further:
+        they share its blocks there, their windows included)."""
         if self.prefix_cache is None:
-            return []
+            return [], 0
         # At least one token is always computed, so that the step yields logits to sample from.
         num_full = (len(seq) - 1) // self.block_size
         hashes = self._block_hashes(seq, num_full)
+        if self.sliding_window is not None:
+            return self._reuse_cached_window(hashes if fork_at is None else hashes[:fork_at // self.block_size])
         table: List[int] = []
         for block_hash in hashes:
             block = self.prefix_cache.lookup(block_hash)
@@ -111,7 +141,29 @@ class BlockManager:
         # Blocks after the first miss cannot hit (their hash chains through it): count them as misses.
         self.prefix_cache.num_queries += max(0, len(hashes) - len(table) - 1)
         self.num_cached_prefill_tokens += len(table) * self.block_size
-        return table
+        return table, 0
+
+    def _reuse_cached_window(self, hashes: List[bytes]) -> Tuple[List[int], int]:
+        """Under a sliding window a token reads only the blocks of its window: the sequence skips its longest
+        prefix whose last window of blocks is cached, with holes behind that window (so one evicted block
+        early in the chain does not make the later cached blocks unreachable). Every skipped block counts as
+        a hit."""
+        bs, cached = self.block_size, self.prefix_cache.hash_to_block
+        skip = first = run = 0
+        for i, block_hash in enumerate(hashes):
+            run = run + 1 if block_hash in cached else 0
+            start = max(0, (i + 1) * bs - self.sliding_window + 1) // bs  # first block the next token reads
+            if run and i + 1 - run <= start:
+                skip, first = i + 1, start
+        table = [HOLE] * first
+        for block_hash in hashes[first:skip]:
+            block = cached[block_hash]
+            self.device.incr(block)
+            table.append(block)
+        self.prefix_cache.num_queries += len(hashes)
+        self.prefix_cache.num_hits += skip
+        self.num_cached_prefill_tokens += skip * bs
+        return table, first
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> List[bytes]:
         hashes = seq.block_hashes
@@ -139,7 +191,7 @@ class BlockManager:
             table = tables[seq.seq_id]
             for block in self._written_blocks(seq, table):
                 writers[block] = writers.get(block, 0) + 1
-            new_blocks += max(0, self.blocks_for(len(seq)) - len(table))
+            new_blocks += max(0, self.blocks_for(self._needed_len(seq)) - len(table))
         return new_blocks + sum(max(0, min(w, holders(block) - 1)) for block, w in writers.items())
 
     def num_blocks_to_append(self, seqs: Iterable[Sequence]) -> int:
@@ -148,7 +200,7 @@ class BlockManager:
         if len(seqs) == 1:  # the common case, without the bookkeeping of several writers
             seq = seqs[0]
             table, refs = self.block_tables[seq.seq_id], self.device.ref_counts
-            needed = self.blocks_for(len(seq))
+            needed = self.blocks_for(len(seq) if self.sliding_window is None else self._needed_len(seq))
             copies = sum(1 for i in range(seq.num_computed_tokens // self.block_size, min(len(table), needed))
                          if refs[table[i]] > 1)
             return copies + max(0, needed - len(table))
@@ -159,8 +211,9 @@ class BlockManager:
         return self.num_blocks_to_append(group.get_seqs(SequenceStatus.RUNNING)) <= self.get_num_free_blocks()
 
     def append_slots(self, seq: Sequence) -> List[Tuple[int, int]]:
-        """Slots for every uncomputed token; returns the (source, destination) block copies that
-        copy-on-write needs before the step writes into a block that other sequences still share."""
+        """Slots for every uncomputed token (under a sliding window, for the next one); returns the (source,
+        destination) block copies that copy-on-write needs before the step writes into a block that other
+        sequences still share."""
         table = self.block_tables[seq.seq_id]
         copies: List[Tuple[int, int]] = []
         first = seq.num_computed_tokens // self.block_size
@@ -171,10 +224,22 @@ class BlockManager:
                 self.device.free(block)
                 table[i] = new_block
                 copies.append((block, new_block))
-        while len(table) < self.blocks_for(len(seq)):
+        needed = self.blocks_for(len(seq) if self.sliding_window is None else self._needed_len(seq))
+        while len(table) < needed:
             table.append(self.device.allocate())
         self.num_copy_on_write += len(copies)
         return copies
+
+    def grow_for_chunk(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of the next `num_tokens` uncomputed tokens have slots, after giving a windowed sequence
+        new blocks for them while any are free (the step's chunk; the blocks it leaves behind the window are
+        released after the step). Without a window every uncomputed token already has its slot."""
+        table = self.block_tables[seq.seq_id]
+        start = seq.num_computed_tokens
+        wanted = self.blocks_for(start + num_tokens)
+        while len(table) < wanted and self.device.get_num_free_blocks():
+            table.append(self.device.allocate())
+        return min(num_tokens, len(table) * self.block_size - start)
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The flat cache slot of a token position."""
@@ -234,15 +299,16 @@ class BlockManager:
 
         Tail first: cached blocks park in LRU order, so eviction takes a prefix chain from its end and
         the chain's head, which every later block's hash goes through, stays reachable longest. The blocks
-        of a sequence preempted by recomputation (`will_recompute`) are evicted after all others: it will
-        find them in the cache when it is readmitted and recompute only what was lost."""
+        of a sequence preempted by recomputation (`will_recompute`) are parked for it, evicted after all
+        others until it is readmitted or ends: it will find them in the cache when it comes back and
+        recompute only what was lost."""
         self._num_registered.pop(seq.seq_id, None)
         self._num_released.pop(seq.seq_id, None)
         table = self.block_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):
                 if block != HOLE:
-                    self.device.free(block, keep_cached=will_recompute)
+                    self.device.free(block, keep_for=seq.seq_id if will_recompute else None)
         table = self.swapped_tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table):
@@ -250,8 +316,11 @@ class BlockManager:
                     self.host.free(block)
 
     def free_group(self, group: SequenceGroup) -> None:
+        """Release every sequence of an ended request; blocks parked for them lose their priority."""
         for seq in group.seqs:
             self.free(seq)
+            if self.prefix_cache is not None:
+                self.prefix_cache.unkeep(seq.seq_id)
 
     # ---- swapping ----------------------------------------------------------------------------
     # A step's swaps go into one mapping per direction (device -> host out, host -> device in). A block

@@ -274,6 +274,8 @@ class Scheduler:
             chunk = min(todo, budget.tokens)
             if chunk <= 0:
                 return
+            if self.block_manager.sliding_window is not None:  # its chunk's slots come from the blocks free now
+                chunk = self.block_manager.grow_for_chunk(seq, chunk)
             out.scheduled.append(ScheduledSeq(group, seq, chunk))
             budget.tokens -= chunk
 

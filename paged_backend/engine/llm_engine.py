@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import torch
 
+from paged_backend import kernels
 from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
@@ -88,6 +89,7 @@ class LLMEngine:
                                           cache.watermark, cache.enable_prefix_caching, self.sliding_window)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.runner = self._make_runner()
+        self.kernels = kernels.kernels_in_use(self.device)  # which implementation runs each op (metrics, info)
         self.sampler = Sampler(self.config.seed)
         self.groups: Dict[str, SequenceGroup] = {}
         self.counters = Counters()
@@ -369,6 +371,7 @@ class LLMEngine:
             num_running=len(sch.running), num_waiting=len(sch.waiting), num_swapped=len(sch.swapped),
             num_preemptions=sch.num_preemptions, num_swap_preemptions=sch.num_swap_preemptions,
             num_recompute_preemptions=sch.num_recompute_preemptions,
+            kernels=dict(self.kernels),
             kv_usage=1.0 - bm.get_num_free_blocks() / bm.num_blocks,
             kv_token_utilization=filled / slots if slots else 1.0,
             prefix_cache_hit_rate=cache.hit_rate if cache else 0.0,

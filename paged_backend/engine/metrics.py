@@ -133,6 +133,8 @@ class EngineStats:
     finish_reasons: Dict[str, int] = field(default_factory=dict)
     # per-request histograms (HISTOGRAM_BUCKETS)
     histograms: Dict[str, HistogramSnapshot] = field(default_factory=dict)
+    # the implementation each kernel runs: {"attention": "triton" | "cpp" | "torch", "sampler": "cpp" | "torch"}
+    kernels: Dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, float]:
         return asdict(self)

@@ -90,6 +90,8 @@ METRICS: Tuple[MetricSpec, ...] = (
     _ours("time_per_output_token_seconds", "Time between a request's successive steps with new tokens", HISTOGRAM,
           "time_per_output_token_seconds"),
     _ours("e2e_request_latency_seconds", "Arrival to finish, per request", HISTOGRAM, "e2e_request_latency_seconds"),
+    _ours("kernel_info", "The kernels in use: attention triton, cpp or torch; sampler cpp or torch (torch when the "
+          "C++ kernels could not be built)", INFO, "kernels"),
     # ---- vLLM's names for the same values ----
     _vllm("num_requests_running", "Number of requests currently running", GAUGE, "num_running"),
     _vllm("num_requests_waiting", "Number of requests waiting to be processed", GAUGE, "num_waiting"),

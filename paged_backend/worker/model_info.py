@@ -1,9 +1,12 @@
-"""`paged-backend info`: what a model is and what its KV cache costs."""
+"""`paged-backend info`: what a model is, what its KV cache costs and which kernels run it."""
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
+from paged_backend import kernels
 from paged_backend.worker.cache_engine import kv_geometry
 from paged_backend.config import parse_memory
 from paged_backend.worker.loader import load_model
@@ -13,7 +16,8 @@ from paged_backend.worker.model_support import check_model_supported, describe_a
 def model_info(name: str, dtype: torch.dtype = torch.float32, block_size: int = 16,
                kv_cache_memory: str = "256MiB") -> str:
     """A short human-readable report, with each layer group's attention kind (full / window W / soft-cap /
-    sinks); a model the engine cannot run exactly is reported as refused, with the reason."""
+    sinks) and the kernels in use; a model the engine cannot run exactly is reported as refused, with the
+    reason."""
     model, _ = load_model(name, dtype=dtype)
     try:
         check_model_supported(model)
@@ -41,4 +45,13 @@ def model_info(name: str, dtype: torch.dtype = torch.float32, block_size: int = 
         f"in {kv_cache_memory}:".ljust(20) + f"{blocks:,} blocks = {blocks * block_size:,} tokens",
     ]
     lines += [("attention:" if i == 0 else "").ljust(20) + line for i, line in enumerate(attention)]
-    return "\n".join(lines)
+    return "\n".join(lines + kernel_lines(next(model.parameters()).device))
+
+
+def kernel_lines(device: torch.device) -> List[str]:
+    """The kernels that run attention and sampling on `device`, and why a C++ kernel fell back to PyTorch."""
+    in_use = kernels.kernels_in_use(device)
+    lines = [f"kernels ({device.type}):".ljust(20) + f"attention {in_use['attention']}, sampler {in_use['sampler']}"]
+    for name, reason in kernels.kernel_fallback_reasons().items():
+        lines.append("".ljust(20) + f"{name} not built: {reason[:300]}")
+    return lines
