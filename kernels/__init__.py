@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from . import cpu, reference
-from .reference import AttentionPlan, dense_attention, plan_paged_attention
+from .reference import AttentionPlan, check_block_reads, dense_attention, plan_paged_attention
 from .sampling import RowDraws, sample_rows
 
 _BACKENDS = ("auto", "triton", "cpp", "torch")
@@ -97,6 +97,10 @@ def plan_attention(key_cache: torch.Tensor, block_tables: torch.Tensor, context_
     shared by every layer of the step with the same sliding window."""
     impl = _impl(key_cache)
     num_blocks, block_size = key_cache.shape[:2]
+    if impl is not cpu and block_tables.device.type == "cpu":  # the C++ plan checks its reads itself; on a GPU
+        # the engine checked the host tables (a check here would wait for the device every step)
+        reference.check_block_reads(block_tables, context_lens, query_start_loc, block_size, num_blocks,
+                                    sliding_window)
     if impl is cpu:
         return cpu.plan_paged_attention(block_tables, context_lens, query_start_loc, block_size, num_blocks,
                                         sliding_window)
@@ -131,6 +135,6 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
         (reference if impl is cpu else impl).copy_blocks(key_caches, value_caches, block_mapping)
 
 
-__all__ = ["AttentionPlan", "RowDraws", "copy_blocks", "dense_attention", "kernel_backend", "kernel_fallback_reasons",
-           "kernels_in_use", "paged_attention", "plan_attention", "plan_paged_attention", "reshape_and_cache",
-           "sample_rows"]
+__all__ = ["AttentionPlan", "RowDraws", "check_block_reads", "copy_blocks", "dense_attention", "kernel_backend",
+           "kernel_fallback_reasons", "kernels_in_use", "paged_attention", "plan_attention", "plan_paged_attention",
+           "reshape_and_cache", "sample_rows"]

@@ -18,6 +18,7 @@ import torch
 
 from .cpu_build import build_error, load_library
 from .kv_quant import check_scales
+from .reference import check_block_reads
 from .variant import check_attention_variant
 
 CACHE_TYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
@@ -58,16 +59,7 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
         q_lens = starts[1:] - starts[:-1]
         if int(starts[0]) != 0 or bool((q_lens < 0).any()):
             raise ValueError("query_start_loc must start at 0 and never decrease")
-        if bool((lens < q_lens).any()) or bool((lens > tables.shape[1] * block_size).any()):
-            raise ValueError("each context length must cover its new tokens and fit in its block-table row")
-        first = (lens - q_lens).clamp(min=0)
-        if sliding_window is not None:
-            first = (first - sliding_window + 1).clamp(min=0)
-        columns = torch.arange(tables.shape[1])
-        read = (columns[None, :] >= (first // block_size)[:, None]) & (columns[None, :] * block_size < lens[:, None])
-        read &= (q_lens > 0)[:, None]
-        if bool((read & ((tables < 0) | (tables >= num_blocks))).any()):
-            raise ValueError(f"a block-table entry the attention reads is outside the cache of {num_blocks} blocks")
+        check_block_reads(tables, lens, starts, block_size, num_blocks, sliding_window)
     return CpuPlan(tables, lens, starts, num_blocks, block_size, int(starts[-1]), sliding_window)
 
 

@@ -65,6 +65,27 @@ class AttentionPlan:
     sliding_window: Optional[int] = None
 
 
+def check_block_reads(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      block_size: int, num_blocks: int, sliding_window: Optional[int] = None) -> None:
+    """ValueError unless every block-table entry that attention reads (the blocks of each sequence's visible keys:
+    from the window of its first new token to its last key) is a block of the cache. Holes behind a sliding
+    window and row padding are -1: reading one would read another request's block, so it is an error."""
+    if not context_lens.numel():
+        return
+    lens = context_lens.to(torch.long)
+    starts = query_start_loc.to(torch.long)
+    q_lens = starts[1:] - starts[:-1]
+    if bool((lens < q_lens).any()) or bool((lens > block_tables.shape[1] * block_size).any()):
+        raise ValueError("each context length must cover its new tokens and fit in its block-table row")
+    first = _first_keys((lens - q_lens).clamp(min=0), sliding_window)
+    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+    read = (columns[None, :] >= (first // block_size)[:, None]) & (columns[None, :] * block_size < lens[:, None])
+    read &= (q_lens > 0)[:, None]
+    if bool((read & ((block_tables < 0) | (block_tables >= num_blocks))).any()):
+        raise ValueError(f"a block-table entry the attention reads is a hole or outside the cache of {num_blocks} "
+                         "blocks")
+
+
 def _context_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, first_keys: torch.Tensor,
                     block_size: int):
     """The blocks holding keys `first_keys[s] .. context_lens[s] - 1` of each sequence (a window of

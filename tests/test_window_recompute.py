@@ -13,7 +13,8 @@ from paged_backend import LLMEngine, SamplingParams
 from paged_backend.core.block_manager import HOLE, AllocStatus, BlockManager
 from paged_backend.config import SchedulerConfig
 from paged_backend.sampling_params import SamplingParams as Params
-from paged_backend.core.scheduler import Scheduler, SchedulerOutput
+from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 
 WINDOW = 8

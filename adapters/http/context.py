@@ -74,10 +74,15 @@ class ServerContext:
 
     def decode_token(self, token_id: int) -> str:
         """The text of one token on its own (special tokens spelled out)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.engine.decode_token(token_id)
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+def context_of(request) -> "ServerContext":
+    """The server context of the app a request reached."""
+    return request.app.state.ctx
 
 
 class Slot:

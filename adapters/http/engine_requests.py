@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ class TokenInfo:
     text: str
     logprob: Optional[float]
     top: Optional[Dict[int, float]] = None
+
+
+def sse_event(payload, prefix: str = "data: ") -> str:
+    """One server-sent event carrying `payload` as JSON (OpenAI writes `data: `, TGI `data:`)."""
+    return prefix + json.dumps(payload, ensure_ascii=False) + "\n\n"
 
 
 def finite(value: Optional[float]) -> Optional[float]:

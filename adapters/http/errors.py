@@ -8,7 +8,7 @@ routes under `/v1` speak OpenAI, everything else speaks TGI.
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional
+from typing import Mapping, NoReturn, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -60,6 +60,11 @@ class ValidationFailed(APIError):
 
     def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> None:
         super().__init__(422, message, "validation", param, code, openai_status=400)
+
+
+def fail(message: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> NoReturn:
+    """Refuse a request body: 422 for TGI, 400 for OpenAI, naming the parameter at fault."""
+    raise ValidationFailed(message, param=param, code=code)
 
 
 def refusal(exc: InvalidRequest, names: Optional[Mapping[str, str]] = None) -> ValidationFailed:

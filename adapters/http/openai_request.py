@@ -21,7 +21,7 @@ from paged_backend.errors import InvalidRequest, PromptTooLong
 
 from .body import StrictBody
 from .context import ServerContext
-from .errors import ValidationFailed, refusal
+from .errors import ValidationFailed, fail, refusal
 from .openai_structured import structured_outputs_value
 from .openai_tools import EarlierToolCall, ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
@@ -140,13 +140,9 @@ class OpenAIPlan:
         return self.requests[0].params.n
 
 
-def _fail(message: str, param: str, code: str = "invalid_value") -> None:
-    raise ValidationFailed(message, param=param, code=code)
-
-
 def _range(value, name: str, low: float, high: float) -> None:
     if value is not None and not low <= value <= high:
-        _fail(f"`{name}` must be between {low} and {high}, got {value}", name)
+        fail(f"`{name}` must be between {low} and {high}, got {value}", name)
 
 
 def _check_common(req: SamplingFields) -> None:
@@ -158,24 +154,24 @@ def _check_common(req: SamplingFields) -> None:
     _range(req.n, "n", 1, MAX_N)
     _range(req.best_of, "best_of", 1, MAX_BEST_OF)
     if req.max_tokens is not None and req.max_tokens < 1:
-        _fail(f"`max_tokens` must be at least 1, got {req.max_tokens}", "max_tokens")
+        fail(f"`max_tokens` must be at least 1, got {req.max_tokens}", "max_tokens")
     if req.best_of is not None and req.best_of < req.n:
-        _fail(f"`best_of` ({req.best_of}) must be >= `n` ({req.n})", "best_of")
+        fail(f"`best_of` ({req.best_of}) must be >= `n` ({req.n})", "best_of")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP:
-        _fail(f"`stop` takes up to {MAX_STOP} sequences, got {len(stops)}", "stop")
+        fail(f"`stop` takes up to {MAX_STOP} sequences, got {len(stops)}", "stop")
     if any(s == "" for s in stops):
-        _fail("`stop` strings must not be empty", "stop")
+        fail("`stop` strings must not be empty", "stop")
     for key, bias in (req.logit_bias or {}).items():
         if not key.strip().isdigit():
-            _fail(f"`logit_bias` keys must be token ids, got {key!r}", "logit_bias")
+            fail(f"`logit_bias` keys must be token ids, got {key!r}", "logit_bias")
         _range(bias, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     if req.stream_options is not None and not req.stream:  # vLLM's (and OpenAI's) rule
-        _fail("`stream_options` can only be used when `stream` is true", "stream_options")
+        fail("`stream_options` can only be used when `stream` is true", "stream_options")
     if req.stream and req.best_of is not None and req.best_of > req.n:
-        _fail("`best_of` > `n` cannot be streamed", "best_of")
+        fail("`best_of` > `n` cannot be streamed", "best_of")
     if req.stream and req.use_beam_search:
-        _fail("beam search cannot be streamed", "use_beam_search")
+        fail("beam search cannot be streamed", "use_beam_search")
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern")
@@ -223,7 +219,7 @@ def _completion_prompts(prompt) -> list:
     else:
         prompts = list(prompt)
     if not prompts:
-        _fail("`prompt` must not be empty", "prompt")
+        fail("`prompt` must not be empty", "prompt")
     return prompts
 
 
@@ -231,10 +227,10 @@ def plan_completion(ctx: ServerContext, req: CompletionRequest) -> OpenAIPlan:
     """Validate a /v1/completions request and build its SamplingParams (blocking: tokenizes)."""
     _check_common(req)
     if req.suffix:
-        _fail("`suffix` is not supported by this server", "suffix", "unsupported_parameter")
+        fail("`suffix` is not supported by this server", "suffix", "unsupported_parameter")
     _range(req.logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     if req.echo and req.logprobs is not None:
-        _fail("`echo` with `logprobs` is not supported: prompt logprobs are not computed", "echo",
+        fail("`echo` with `logprobs` is not supported: prompt logprobs are not computed", "echo",
               "unsupported_parameter")
     requests = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
     echo = [ctx.tokenizer.decode(r.prompt_token_ids) for r in requests] if req.echo else None
@@ -251,7 +247,7 @@ def _message_text(message: ChatMessage, i: int) -> str:
     parts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
-            _fail(f"messages[{i}]: only text content parts are supported, got {part.type!r}", "messages")
+            fail(f"messages[{i}]: only text content parts are supported, got {part.type!r}", "messages")
         parts.append(part.text)
     return "".join(parts)
 
@@ -287,9 +283,9 @@ def chat_prompt(ctx: ServerContext, req: ChatRequest, tools: Optional[List[Dict[
                 continue_final_message: bool = False) -> str:
     """The conversation (and the tools, if any) rendered with the model's chat template."""
     if not req.messages:
-        _fail("`messages` must not be empty", "messages")
+        fail("`messages` must not be empty", "messages")
     if getattr(ctx.tokenizer, "chat_template", None) is None:
-        _fail("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        fail("this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
     chars = sum(len(m["content"]) + len(m["role"]) for m in messages) + len(json.dumps(tools or []))
     if chars > ctx.engine.max_prompt_chars:
@@ -308,13 +304,13 @@ def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
     _check_common(req)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tokenizer)
     if tools.calls_tools and req.use_beam_search:
-        _fail("tool calls cannot be combined with beam search", "use_beam_search")
+        fail("tool calls cannot be combined with beam search", "use_beam_search")
     if req.top_logprobs is not None:
         _range(req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if not req.logprobs:
-            _fail("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+            fail("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
-        _fail(f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}", "max_completion_tokens")
+        fail(f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}", "max_completion_tokens")
     text = chat_prompt(ctx, req, tools.tools)
     try:  # the template already holds the special tokens; a text far beyond the context is refused early
         prompt = ctx.engine.encode(text, req.truncate_prompt_tokens, add_special_tokens=False)

@@ -9,7 +9,6 @@ the served model.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import AsyncIterator, Coroutine, Dict, List, Optional
@@ -19,19 +18,15 @@ from fastapi.responses import JSONResponse, Response
 
 from paged_backend import CompletionOutput, RequestOutput, ranked_logprobs
 
-from .context import ServerContext
+from .context import ServerContext, context_of
 from .engine_requests import (ClosingStreamingResponse, TokenInfo, final_output, finite, merge, request_outputs,
-                              token_infos, unless_disconnected)
+                              sse_event, token_infos, unless_disconnected)
 from .errors import APIError
 from .openai_request import ChatRequest, CompletionRequest, OpenAIPlan, plan_chat, plan_completion
 from .openai_tools import ToolCallStream, read_tool_calls
 
 router = APIRouter(prefix="/v1")
 FINGERPRINT = "paged-backend"
-
-
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 # ---- logprobs -----------------------------------------------------------------------------------
@@ -86,12 +81,8 @@ def _generated(outputs: List[RequestOutput]) -> int:
     return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
-def _sse(payload) -> str:
-    return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
-
-
 async def _run(request: Request, plan: OpenAIPlan, prefix: str) -> List[RequestOutput]:
-    ctx = _ctx(request)
+    ctx = context_of(request)
     rid = uuid.uuid4().hex
     work = _gather([final_output(ctx, r, f"{prefix}-{rid}-{i}") for i, r in enumerate(plan.requests)])
     return await unless_disconnected(request, work)
@@ -109,16 +100,16 @@ async def _chunks(ctx: ServerContext, plan: OpenAIPlan, prefix: str, make_choice
             for comp in delta.outputs:
                 generated += len(comp.token_ids)
                 for choice in make_choice(i, comp):
-                    yield _sse({**header, "choices": [choice], **usage})
+                    yield sse_event({**header, "choices": [choice], **usage})
         if plan.include_usage:
-            yield _sse({**header, "choices": [], "usage": _usage(plan, generated)})
+            yield sse_event({**header, "choices": [], "usage": _usage(plan, generated)})
     except APIError as exc:
-        yield _sse(exc.openai_body())
+        yield sse_event(exc.openai_body())
     yield "data: [DONE]\n\n"
 
 
 async def _plan(request: Request, model, plan_fn) -> OpenAIPlan:
-    ctx = _ctx(request)
+    ctx = context_of(request)
     body = await ctx.read(request, model)
     return await ctx.blocking(plan_fn, ctx, body)
 
@@ -131,7 +122,7 @@ def _stream_reply(chunks: AsyncIterator[str], slot) -> Response:
 # ---- routes -------------------------------------------------------------------------------------
 @router.get("/models")
 async def models(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = context_of(request)
     return JSONResponse({"object": "list", "data": [
         {"id": ctx.model_name, "object": "model", "created": int(request.app.state.started_at),
          "owned_by": "paged-backend", "max_model_len": ctx.max_model_len}]})
@@ -139,7 +130,7 @@ async def models(request: Request) -> Response:
 
 async def _serve(request: Request, model, plan_fn, stream_fn, reply_fn) -> Response:
     """Admit, plan (off the event loop) and answer one OpenAI request, streamed or not."""
-    ctx = _ctx(request)
+    ctx = context_of(request)
     slot = ctx.acquire()
     try:
         plan = await _plan(request, model, plan_fn)

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from paged_backend import CONSTRAINT_FIELDS, MAX_SCHEMA_DEPTH, load_json
 
-from .errors import ValidationFailed
+from .errors import fail
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -29,18 +29,14 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 Constraint = Tuple[str, str, Any]  # (the request's field, the StructuredOutputsParams field, value)
 
 
-def _fail(message: str, param: str, code: str = "invalid_value") -> None:
-    raise ValidationFailed(message, param=param, code=code)
-
-
 def _schema_value(value: Any, where: str) -> Any:
     if isinstance(value, str):
         try:
             value = load_json(value, where, MAX_SCHEMA_DEPTH)
         except ValueError as exc:
-            _fail(str(exc), "response_format")
+            fail(str(exc), "response_format")
     if not isinstance(value, dict):
-        _fail(f"{where} must be a JSON schema object", "response_format")
+        fail(f"{where} must be a JSON schema object", "response_format")
     return value
 
 
@@ -56,7 +52,7 @@ def response_format_constraint(response_format: Optional[Dict[str, Any]]) -> Opt
     if kind == "json_schema" and "json_schema" in response_format:
         spec = response_format["json_schema"]
         if not isinstance(spec, dict):
-            _fail("response_format.json_schema must be an object {\"name\", \"schema\", \"strict\"}", "response_format")
+            fail("response_format.json_schema must be an object {\"name\", \"schema\", \"strict\"}", "response_format")
         if spec.get("schema") is None:
             return ("response_format", "json_object", True)
         return ("response_format", "json", _schema_value(spec["schema"], "response_format.json_schema.schema"))
@@ -67,7 +63,7 @@ def response_format_constraint(response_format: Optional[Dict[str, Any]]) -> Opt
                                                          "response_format.value.schema"))
     if kind == "regex" and isinstance(response_format.get("value"), str):
         return ("response_format", "regex", response_format["value"])
-    _fail(f"response_format {json.dumps(response_format)[:200]} is not supported: use {{\"type\": \"text\"}}, "
+    fail(f"response_format {json.dumps(response_format)[:200]} is not supported: use {{\"type\": \"text\"}}, "
           f"{{\"type\": \"json_object\"}} or {{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., "
           f"\"schema\": ...}}}}", "response_format")
     raise AssertionError("unreachable")
@@ -81,7 +77,7 @@ def structured_outputs_value(options: Optional[Dict[str, Any]], guided: Dict[str
     constraints: List[Constraint] = [("structured_outputs", name, base.pop(name)) for name in CONSTRAINT_FIELDS
                                      if base.get(name) is not None]
     if guided.get("guided_whitespace_pattern") is not None:
-        _fail("`guided_whitespace_pattern` is not supported (xgrammar has no whitespace patterns); use "
+        fail("`guided_whitespace_pattern` is not supported (xgrammar has no whitespace patterns); use "
               "structured_outputs {\"disable_any_whitespace\": true} for compact JSON", "guided_whitespace_pattern",
               "unsupported_parameter")
     constraints += [(name, GUIDED_FIELDS[name], value) for name, value in guided.items()
@@ -94,10 +90,10 @@ def structured_outputs_value(options: Optional[Dict[str, Any]], guided: Dict[str
     if len(constraints) > 1:
         names = ", ".join(dict.fromkeys(c[0] if c[0] != "structured_outputs" else f"structured_outputs.{c[1]}"
                                         for c in constraints))
-        _fail(f"the output can follow one constraint, but several were given ({names})", constraints[1][0])
+        fail(f"the output can follow one constraint, but several were given ({names})", constraints[1][0])
     if not constraints:
         if base:
-            _fail("structured_outputs needs one of json, regex, choice, grammar, json_object", "structured_outputs")
+            fail("structured_outputs needs one of json, regex, choice, grammar, json_object", "structured_outputs")
         return None, None
     source, name, value = constraints[0]
     return {**base, name: value}, source

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .body import StrictBody
-from .errors import ValidationFailed
+from .errors import fail
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
@@ -83,19 +83,15 @@ class ToolPlan:
         return self.mode in ("auto", "required", "named")
 
 
-def _fail(message: str, param: str) -> None:
-    raise ValidationFailed(message, param=param)
-
-
 def _check_tools(tools: List[ToolDefinition]) -> None:
     names = set()
     for i, tool in enumerate(tools):
         if tool.type != "function":
-            _fail(f"tools[{i}].type must be \"function\" (the only kind of tool), got {tool.type!r}", "tools")
+            fail(f"tools[{i}].type must be \"function\" (the only kind of tool), got {tool.type!r}", "tools")
         if not tool.function.name:
-            _fail(f"tools[{i}].function.name must not be empty", "tools")
+            fail(f"tools[{i}].function.name must not be empty", "tools")
         if tool.function.name in names:
-            _fail(f"tools[{i}]: two tools are named {tool.function.name!r}", "tools")
+            fail(f"tools[{i}]: two tools are named {tool.function.name!r}", "tools")
         names.add(tool.function.name)
 
 
@@ -111,7 +107,7 @@ def _hoist_defs(schemas: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], Di
         schema = dict(schema)
         for name, definition in (schema.pop("$defs", None) or {}).items():
             if name in defs and defs[name] != definition:
-                _fail(f"two tools define `$defs/{name}` differently; give the definitions distinct names", "tools")
+                fail(f"two tools define `$defs/{name}` differently; give the definitions distinct names", "tools")
             defs[name] = definition
         bare.append(schema)
     return bare, defs
@@ -151,7 +147,7 @@ def plan_tools(tools: Optional[List[ToolDefinition]], tool_choice: Optional[Tool
     """The request's tool plan; a 400 for choices it cannot honour."""
     if not tools:
         if tool_choice not in (None, "none"):
-            _fail("`tool_choice` needs `tools`", "tool_choice")
+            fail("`tool_choice` needs `tools`", "tool_choice")
         return ToolPlan("none")
     _check_tools(tools)
     as_dicts = [t.model_dump(exclude_none=True) for t in tools]
@@ -159,10 +155,10 @@ def plan_tools(tools: Optional[List[ToolDefinition]], tool_choice: Optional[Tool
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, NamedToolChoice):
         if choice.type != "function":
-            _fail(f"tool_choice.type must be \"function\", got {choice.type!r}", "tool_choice")
+            fail(f"tool_choice.type must be \"function\", got {choice.type!r}", "tool_choice")
         chosen = next((t for t in tools if t.function.name == choice.function.name), None)
         if chosen is None:
-            _fail(f"tool_choice names the function {choice.function.name!r}, which is not among `tools` "
+            fail(f"tool_choice names the function {choice.function.name!r}, which is not among `tools` "
                   f"({', '.join(t.function.name for t in tools)})", "tool_choice")
         return ToolPlan("named", as_dicts, chosen.function.name, _parameters(chosen), parallel)
     if choice == "none":
@@ -171,12 +167,12 @@ def plan_tools(tools: Optional[List[ToolDefinition]], tool_choice: Optional[Tool
         return ToolPlan("required", as_dicts, None, required_schema(tools, parallel), parallel)
     if choice == "auto":
         if not recognises_hermes(tokenizer):
-            _fail("tool_choice \"auto\" needs a chat template that teaches the model a tool-call format this server "
+            fail("tool_choice \"auto\" needs a chat template that teaches the model a tool-call format this server "
                   "can read (Hermes-style <tool_call>...</tool_call>); this model's template has none. Use "
                   "tool_choice \"required\" or a named function, which constrain the output to the tools' schemas",
                   "tool_choice")
         return ToolPlan("auto", as_dicts, parallel=parallel)
-    _fail(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": "
+    fail(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": "
           f"{{\"name\": ...}}}}, got {choice!r}", "tool_choice")
     raise AssertionError("unreachable")
 

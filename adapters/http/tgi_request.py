@@ -23,7 +23,7 @@ from paged_backend.errors import InvalidRequest
 
 from .body import StrictBody
 from .context import ServerContext
-from .errors import ValidationFailed, refusal
+from .errors import fail, refusal
 from .tgi_grammar import grammar_constraint, invalid
 
 MAX_BEST_OF = 4
@@ -90,10 +90,6 @@ class TGIPlan:
         return self.request.params
 
 
-def _fail(message: str, param: Optional[str] = None) -> None:
-    raise ValidationFailed(message, param=param)
-
-
 def is_sampling(p: TGIParameters) -> bool:
     """TGI samples when asked to, or when any warper would change the distribution."""
     return bool(p.do_sample or (p.temperature is not None and p.temperature != 1.0) or p.top_k is not None
@@ -114,45 +110,45 @@ def samples(p: TGIParameters, best_of: int) -> bool:
 
 def _check_unsupported(p: TGIParameters) -> None:
     if p.typical_p is not None:
-        _fail("`typical_p` is not supported by this server", "typical_p")
+        fail("`typical_p` is not supported by this server", "typical_p")
     if p.watermark:
-        _fail("`watermark` is not supported by this server", "watermark")
+        fail("`watermark` is not supported by this server", "watermark")
     if p.adapter_id is not None:
-        _fail("`adapter_id` is not supported: this server has no adapters", "adapter_id")
+        fail("`adapter_id` is not supported: this server has no adapters", "adapter_id")
 
 
 def _check_ranges(p: TGIParameters, best_of: int, stream: bool) -> None:
     if best_of < 1 or best_of > MAX_BEST_OF:
-        _fail(f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {best_of}", "best_of")
+        fail(f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {best_of}", "best_of")
     if best_of > 1 and not asks_for_sampling(p):
-        _fail("you must use sampling when `best_of` is > 1", "best_of")
+        fail("you must use sampling when `best_of` is > 1", "best_of")
     if best_of > 1 and p.seed is not None:
-        _fail("`seed` must not be set when `best_of` > 1", "seed")
+        fail("`seed` must not be set when `best_of` > 1", "seed")
     if best_of > 1 and stream:
-        _fail("`best_of` != 1 is not supported when streaming tokens", "best_of")
+        fail("`best_of` != 1 is not supported when streaming tokens", "best_of")
     if p.decoder_input_details and stream:
-        _fail("`decoder_input_details` == true is not supported when streaming tokens", "decoder_input_details")
+        fail("`decoder_input_details` == true is not supported when streaming tokens", "decoder_input_details")
     if p.temperature is not None and p.temperature <= 0:
-        _fail("`temperature` must be strictly positive", "temperature")
+        fail("`temperature` must be strictly positive", "temperature")
     if p.repetition_penalty is not None and p.repetition_penalty <= 0:
-        _fail("`repetition_penalty` must be strictly positive", "repetition_penalty")
+        fail("`repetition_penalty` must be strictly positive", "repetition_penalty")
     if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
-        _fail("`frequency_penalty` must be >= -2.0 and <= 2.0", "frequency_penalty")
+        fail("`frequency_penalty` must be >= -2.0 and <= 2.0", "frequency_penalty")
     if p.top_p is not None and not 0.0 < p.top_p < 1.0:
-        _fail("`top_p` must be > 0.0 and < 1.0", "top_p")
+        fail("`top_p` must be > 0.0 and < 1.0", "top_p")
     if p.top_k is not None and p.top_k <= 0:
-        _fail("`top_k` must be strictly positive", "top_k")
+        fail("`top_k` must be strictly positive", "top_k")
     if p.max_new_tokens is not None and p.max_new_tokens <= 0:
-        _fail("`max_new_tokens` must be strictly positive", "max_new_tokens")
+        fail("`max_new_tokens` must be strictly positive", "max_new_tokens")
     stops = p.stop or []
     if len(stops) > MAX_STOP_SEQUENCES:
-        _fail(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stops)}", "stop")
+        fail(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stops)}", "stop")
     if any(s == "" for s in stops):
-        _fail("`stop` sequences must not be empty", "stop")
+        fail("`stop` sequences must not be empty", "stop")
     if p.seed is not None and not 0 <= p.seed < _U64:
-        _fail("`seed` must be an unsigned 64-bit integer", "seed")
+        fail("`seed` must be an unsigned 64-bit integer", "seed")
     if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= MAX_TOP_N_TOKENS:
-        _fail(f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {p.top_n_tokens}", "top_n_tokens")
+        fail(f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {p.top_n_tokens}", "top_n_tokens")
 
 
 def vllm_values(p: TGIParameters, best_of: int, seed: Optional[int]) -> Dict[str, Any]:
@@ -176,10 +172,10 @@ def plan_tgi(ctx: ServerContext, request: TGIRequest, stream: bool) -> TGIPlan:
     _check_unsupported(p)
     _check_ranges(p, best_of, stream)
     if request.inputs == "":
-        _fail("`inputs` cannot be empty", "inputs")
+        fail("`inputs` cannot be empty", "inputs")
     max_input = ctx.max_model_len - 1
     if p.truncate is not None and not 0 < p.truncate <= max_input:
-        _fail(f"`truncate` must be strictly positive and less than {max_input}. Given: {p.truncate}", "truncate")
+        fail(f"`truncate` must be strictly positive and less than {max_input}. Given: {p.truncate}", "truncate")
     seed = (p.seed if p.seed is not None else random.getrandbits(63)) if samples(p, best_of) else None
     kind = RequestOutputKind.DELTA  # streamed or not, replies are built from the engine's per-step deltas
     default = None if "max_new_tokens" in p.model_fields_set else DEFAULT_MAX_NEW_TOKENS

@@ -8,7 +8,6 @@ server-sent events, one per token, the last one carrying `generated_text` (and `
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Dict, List, Optional
@@ -19,8 +18,9 @@ from fastapi.responses import JSONResponse, Response
 import paged_backend
 from paged_backend import CompletionOutput, ranked_logprobs
 
-from .context import ServerContext, Slot
-from .engine_requests import ClosingStreamingResponse, TokenInfo, request_outputs, token_infos, unless_disconnected
+from .context import ServerContext, Slot, context_of
+from .engine_requests import (ClosingStreamingResponse, TokenInfo, request_outputs, sse_event, token_infos,
+                              unless_disconnected)
 from .errors import APIError
 from .tgi_request import MAX_BEST_OF, MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, TGIPlan, TGIRequest, plan_tgi
 
@@ -103,10 +103,6 @@ async def generate_response(ctx: ServerContext, plan: TGIPlan) -> dict:
     return reply
 
 
-def _sse(payload: dict) -> str:
-    return "data:" + json.dumps(payload, ensure_ascii=False) + "\n\n"
-
-
 async def stream_events(ctx: ServerContext, plan: TGIPlan) -> AsyncIterator[str]:
     """One server-sent event per generated token (the engine reports deltas: new tokens and settled text);
     the last event carries generated_text and details."""
@@ -126,9 +122,9 @@ async def stream_events(ctx: ServerContext, plan: TGIPlan) -> AsyncIterator[str]
                             event["details"] = {"finish_reason": tgi_finish_reason(comp),
                                                 "generated_tokens": len(seq.tokens), "seed": plan.seed,
                                                 "input_length": len(plan.prompt_ids)}
-                    yield _sse(event)
+                    yield sse_event(event, prefix="data:")
     except APIError as exc:
-        yield _sse(exc.tgi_body())
+        yield sse_event(exc.tgi_body(), prefix="data:")
 
 
 def streaming_reply(ctx: ServerContext, plan: TGIPlan, slot: Slot) -> Response:
@@ -136,12 +132,8 @@ def streaming_reply(ctx: ServerContext, plan: TGIPlan, slot: Slot) -> Response:
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
-
-
 async def _generate(request: Request, stream: bool, compat: bool) -> Response:
-    ctx = _ctx(request)
+    ctx = context_of(request)
     slot = ctx.acquire()
     try:
         body = await ctx.read(request, TGIRequest)
@@ -193,12 +185,12 @@ def model_info(ctx: ServerContext) -> dict:
 
 @router.get("/info")
 async def info(request: Request) -> Response:
-    return JSONResponse(model_info(_ctx(request)))
+    return JSONResponse(model_info(context_of(request)))
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    errored: Optional[BaseException] = getattr(_ctx(request).engine, "errored", None)
+    errored: Optional[BaseException] = getattr(context_of(request).engine, "errored", None)
     if errored is not None:
         return JSONResponse({"error": f"unhealthy: {errored}", "error_type": "healthcheck"}, status_code=503)
     return Response(status_code=200)

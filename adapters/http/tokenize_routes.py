@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from paged_backend.errors import InvalidRequest, PromptTooLong
 
 from .body import StrictBody, decode_json_object, validate_body
-from .context import ServerContext
+from .context import ServerContext, context_of
 from .errors import ValidationFailed, refusal
 from .openai_request import ChatMessage, chat_prompt
 from .openai_tools import ToolDefinition
@@ -53,10 +53,6 @@ class TokenizeChatRequest(StrictBody):
 class DetokenizeRequest(StrictBody):
     model: Optional[str] = None
     tokens: List[int]
-
-
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 def tgi_tokens(ctx: ServerContext, text: str) -> List[dict]:
@@ -118,11 +114,11 @@ def detokenize_body(ctx: ServerContext, raw: bytes) -> dict:
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = context_of(request)
     return JSONResponse(await ctx.blocking(tokenize_body, ctx, await request.body()))
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = context_of(request)
     return JSONResponse(await ctx.blocking(detokenize_body, ctx, await request.body()))

@@ -147,7 +147,7 @@ class EngineService:
 
     async def _serve(self, request_id: str, request: GenerateRequest, handle: RequestHandle) -> None:
         state, loop = StreamState(), asyncio.get_running_loop()
-        decode = self._decode_token
+        decode = self.engine.decode_token
         try:
             prepared = await loop.run_in_executor(None, self._admit, request)
             async for output in self.engine.generate(prepared, None, request_id):
@@ -178,9 +178,6 @@ class EngineService:
             self.send(handle, None, RequestError(f"generation failed: {exc}", INTERNAL), True)
         finally:
             self._active.pop(request_id, None)
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer is not None else ""
 
     # ---- watchers ----------------------------------------------------------------------------
     async def _watch_cancellations(self) -> None:

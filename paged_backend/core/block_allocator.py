@@ -63,6 +63,3 @@ class BlockAllocator:
     def get_num_free_blocks(self) -> int:
         evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
         return len(self.free_list) + evictable
-
-    def get_num_used_blocks(self) -> int:
-        return self.num_blocks - self.get_num_free_blocks()

@@ -196,15 +196,7 @@ class BlockManager:
 
     def num_blocks_to_append(self, seqs: Iterable[Sequence]) -> int:
         """Free blocks that `append_slots` over these running sequences takes, exactly."""
-        seqs = list(seqs)
-        if len(seqs) == 1:  # the common case, without the bookkeeping of several writers
-            seq = seqs[0]
-            table, refs = self.block_tables[seq.seq_id], self.device.ref_counts
-            needed = self.blocks_for(len(seq) if self.sliding_window is None else self._needed_len(seq))
-            copies = sum(1 for i in range(seq.num_computed_tokens // self.block_size, min(len(table), needed))
-                         if refs[table[i]] > 1)
-            return copies + max(0, needed - len(table))
-        return self._append_cost(seqs, self.block_tables, lambda block: self.device.ref_counts[block])
+        return self._append_cost(seqs, self.block_tables, self.device.ref_counts.__getitem__)
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         """Whether every running sequence of the request can get slots for its uncomputed tokens."""
@@ -224,7 +216,7 @@ class BlockManager:
                 self.device.free(block)
                 table[i] = new_block
                 copies.append((block, new_block))
-        needed = self.blocks_for(len(seq) if self.sliding_window is None else self._needed_len(seq))
+        needed = self.blocks_for(self._needed_len(seq))
         while len(table) < needed:
             table.append(self.device.allocate())
         self.num_copy_on_write += len(copies)
@@ -240,10 +232,6 @@ class BlockManager:
         while len(table) < wanted and self.device.get_num_free_blocks():
             table.append(self.device.allocate())
         return min(num_tokens, len(table) * self.block_size - start)
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        """The flat cache slot of a token position."""
-        return self.block_tables[seq.seq_id][position // self.block_size] * self.block_size + position % self.block_size
 
     def mark_computed(self, seq: Sequence) -> None:
         """After a step: put the sequence's newly completed full blocks into the prefix cache."""

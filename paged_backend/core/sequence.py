@@ -194,11 +194,5 @@ class SequenceGroup:
             self.error = error
         self.fork_pending_len = None
 
-    def find(self, seq_id: int) -> Sequence:
-        for seq in self.seqs:
-            if seq.seq_id == seq_id:
-                return seq
-        raise KeyError(seq_id)
-
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={len(self.seqs)})"

@@ -56,6 +56,10 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def decode_token(self, token_id: int) -> str:
+        """`LLMEngine.decode_token`: one token's text, special tokens spelled out."""
+        return self.engine.decode_token(token_id)
+
     @property
     def max_model_len(self) -> int:
         """The context limit in tokens (prompt and output together)."""

@@ -7,7 +7,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from paged_backend.core.scheduler import ScheduledSeq
+from paged_backend.core.scheduler_output import ScheduledSeq
 from paged_backend.worker.step_inputs import StepInputs
 
 
@@ -36,6 +36,8 @@ def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, Li
     first = torch.tensor(first_positions, dtype=torch.long)
     positions = torch.arange(len(tokens)) - (ends - lens)[row_seq] + first[row_seq]
     slots = table_tensor[row_seq, positions // block_size].to(torch.long) * block_size + positions % block_size
+    if bool((slots < 0).any()):
+        raise ValueError("a new token's slot lies in a hole of its block table (a released block)")
     return StepInputs(
         input_ids=torch.tensor(tokens, dtype=torch.long),
         positions=positions,
@@ -48,11 +50,10 @@ def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, Li
 
 
 def _pad_tables(tables: List[List[int]]) -> torch.Tensor:
-    """The block tables as one int32 `[num_seqs, longest]` tensor; padding and holes (-1) become block 0,
-    which the kernels never read for those positions (a numpy row copy per table: no per-block Python)."""
+    """The block tables as one int32 `[num_seqs, longest]` tensor, padded with -1 like the holes behind a
+    sliding window: the kernels refuse to read either (a numpy row copy per table: no per-block Python)."""
     width = max((len(t) for t in tables), default=0)
-    padded = np.zeros((len(tables), width), dtype=np.int32)
+    padded = np.full((len(tables), width), -1, dtype=np.int32)
     for row, table in enumerate(tables):
         padded[row, :len(table)] = table
-    np.maximum(padded, 0, out=padded)
     return torch.from_numpy(padded)

@@ -25,7 +25,8 @@ from paged_backend.engine.outputs import RequestOutput
 from paged_backend.engine.request_intake import PromptType, RequestIntake, ValidatedRequest
 from paged_backend.sampling.sampler import Sampler
 from paged_backend.sampling_params import RequestOutputKind, SamplingParams
-from paged_backend.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 from paged_backend.worker.sizing import KVCacheSize, size_kv_cache
 from paged_backend.worker.step_inputs import Runner
@@ -144,6 +145,11 @@ class LLMEngine:
         """Token ids of a prompt given as text or ids, validated (`truncate`: keep its last k tokens; a text far
         beyond the context is refused before it is tokenized whole)."""
         return self.intake.encode(prompt, truncate, add_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        """The text of one token on its own, special tokens spelled out ("" without a tokenizer): how every front
+        names a token in its logprobs."""
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def prepare_requests(self, prompts: Seq[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
         """Check requests once and do their preparation (tokenizing, token constraints, grammar compilation):
@@ -270,6 +276,10 @@ class LLMEngine:
 
     def _step_inputs(self, sched: SchedulerOutput):
         inputs = prepare_inputs(sched.scheduled, self.block_manager.block_tables, self.config.cache.block_size)
+        if self.device.type != "cpu":  # the kernels check CPU tables themselves; a device's are checked here, on
+            # the host, before they are sent (so a hole is never read, and the device is not waited for)
+            kernels.check_block_reads(inputs.block_tables, inputs.context_lens, inputs.query_start_loc,
+                                      self.config.cache.block_size, self.block_manager.num_blocks, self.sliding_window)
         inputs.swap_out, inputs.swap_in, inputs.copies = (sched.blocks_to_swap_out, sched.blocks_to_swap_in,
                                                           sched.blocks_to_copy)
         return inputs

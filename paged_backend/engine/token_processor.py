@@ -16,7 +16,7 @@ from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.detokenizer import cut_at_stop, decode_new_text, find_stop_string
 from paged_backend.engine.metrics import Counters
 from paged_backend.sampling.sampler import SampleRequest, SampleResult, Sampler
-from paged_backend.core.scheduler import ScheduledSeq, SchedulerOutput
+from paged_backend.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_backend.structured.matcher import accept_grammar
 

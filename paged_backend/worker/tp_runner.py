@@ -31,8 +31,9 @@ import torch.distributed as dist
 from paged_backend.worker.cache_engine import kv_cache_torch_dtype
 from paged_backend.worker.step_inputs import StepInputs
 from paged_backend.worker.tp_sharding import build_plan, shard_model, weights_fingerprint
-from paged_backend.worker.tp_worker import (CMD_REPORT, CMD_SHUTDOWN, HEADER_LEN, STORE_PREFIX, ProcessGroupComm, RankState,
-                        WorkerFailedError, WorkerSetup, destroy_groups, init_groups, pack_step, run_worker)
+from paged_backend.worker.tp_worker import (CMD_REPORT, CMD_SHUTDOWN, HEADER_LEN, STORE_PREFIX, ProcessGroupComm,
+                                            RankState, WorkerFailedError, WorkerSetup, destroy_groups, init_groups,
+                                            pack_step, run_worker)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("PAGED_BACKEND_TP_STARTUP_TIMEOUT", "600"))
 STEP_TIMEOUT_S = float(os.environ.get("PAGED_BACKEND_TP_TIMEOUT", "300"))
