@@ -25,6 +25,7 @@ import torch
 from conftest import assert_no_leaks, get_model
 from hf_grammar import hf_real_hypotheses
 from paged_backend import LLMEngine, SamplingParams
+from paged_backend.structured.matcher import GrammarState
 
 BLOCK = 8
 EOS = 2
@@ -115,7 +116,7 @@ def alone_reference(model, tok, request: Request):
 
 def structured_reference(model, tok, request: Request) -> List[List[int]]:
     """transformers' real hypotheses with the request's grammar mask."""
-    state = alone_engine(model, tok).intake.grammar(request.params)
+    state = GrammarState(alone_engine(model, tok).intake.compile_grammar(request.params))
     return [tokens for tokens, _ in hf_real_hypotheses(model, request.prompt, request.params, state, EOS)]
 
 
@@ -166,10 +167,17 @@ def test_stress_seed(stress_seed, mode, dtype):
     assert preempted > 0, stats
     assert stats.prefix_cache_hits > 0, stats
     assert_no_leaks(engine)
+    check_outputs(model, tok, requests, finals, dtype, stress_seed)
+
+
+def check_outputs(model, tok, requests: List[Request], finals: Dict[str, object], dtype: torch.dtype, seed) -> None:
+    """Every output against its reference: greedy and beams transformers' generate (structured beams its real
+    hypotheses under the grammar), seeded samples the request alone, the faulty request failing as it does alone
+    with the same tokens before the fault."""
     for request in requests:
         out = finals[request.request_id]
         got = [c.token_ids for c in out.outputs]
-        where = (stress_seed, request.request_id, request.params)
+        where = (seed, request.request_id, request.params)
         if request.request_id.startswith("faulty"):
             alone = alone_reference(model, tok, request)
             assert "injected fault" in out.error and "injected fault" in alone.error, out.error

@@ -17,6 +17,7 @@ import torch
 from conftest import assert_no_leaks, get_model
 from hf_grammar import hf_real_hypotheses
 from paged_backend import LLMEngine, SamplingParams
+from paged_backend.structured.matcher import GrammarState
 
 EOS = 2
 SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
@@ -55,7 +56,8 @@ def test_structured_beams_match_transformers_with_the_same_mask(dtype):
     for rid, (prompt_ids, params) in requests.items():
         out = finals[rid]
         assert out.error is None, (rid, out.error)
-        want = hf_real_hypotheses(model, prompt_ids, params, engine.intake.grammar(params), EOS)
+        state = GrammarState(engine.intake.compile_grammar(params))
+        want = hf_real_hypotheses(model, prompt_ids, params, state, EOS)
         padded += len(want) < params.n
         got = [(c.token_ids, c.beam_score) for c in out.outputs]
         assert [t for t, _ in got] == [t for t, _ in want], (rid, TINY_CASES[int(rid)])
