@@ -106,6 +106,7 @@ COMMANDS: Dict[str, Run] = {
     # Triton: the repository first (README and docs/triton.md write the same folder), then the servers
     "paged-backend triton-repo repo/ --model smollm2": Run("exit", TRITON_REPO),
     "paged-backend triton-repo": Run("exit", TRITON_REPO),
+    "paged-backend triton-repo repo/ --model smollm2 --max-batch-size 1": Run("exit", TRITON_REPO + " --max-batch-size 1"),
     "paged-backend triton-repo ./model_repository --model smollm2 --name paged_llm --kv-cache-memory 1GiB "
     "--max-num-seqs 64 --enable-prefix-caching [--instance-count 2] [--kind KIND_GPU]": Run(
         "exit", "paged-backend triton-repo ./model_repository --model smollm2 --name paged_llm --kv-cache-memory 1GiB "

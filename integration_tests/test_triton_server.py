@@ -79,9 +79,8 @@ def server(tmp_path_factory):
                                       "tensor_parallel_size": 2})
     write_model_repository(repo, PY_LAYOUT, {"model": "tiny-llama", "dtype": "float32", "num_blocks": 16},
                            layout="python")
-    write_model_repository(repo, TRTLLM_STYLE, {"model": "tiny-llama", "dtype": "float32", "num_blocks": 32})
-    config = repo / TRTLLM_STYLE / "config.pbtxt"
-    config.write_text(config.read_text() + "max_batch_size: 1\n")  # the one line docs/triton.md asks for
+    write_model_repository(repo, TRTLLM_STYLE, {"model": "tiny-llama", "dtype": "float32", "num_blocks": 32},
+                           max_batch_size=1)  # what `triton-repo --max-batch-size 1` writes (docs/triton.md)
     write_model_repository(repo, STRUCTURED, {"model": "smollm2", "dtype": "float32", "kv_cache_memory": "192MiB",
                                               "max_num_seqs": 32})
     # several models finalize at SIGTERM on a shared 2-core machine: give them more than the usual 5 s

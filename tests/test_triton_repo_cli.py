@@ -98,3 +98,15 @@ def test_a_device_the_instance_kind_refuses_is_an_error_naming_both(tmp_path, ca
     err = capsys.readouterr().err
     assert "--device cuda" in err and "KIND_CPU" in err
     assert not (tmp_path / "paged_llm").exists()
+
+
+def test_max_batch_size_one_is_written_for_the_openai_frontends_tensors(tmp_path, capsys):
+    """`--max-batch-size 1` writes the line that lets Triton accept the [1, 1] tensors its OpenAI frontend sends
+    (the model's auto-completion keeps it and adds the TensorRT-LLM inputs); the default leaves it out."""
+    _write(tmp_path / "a", ["--max-batch-size", "1"])
+    assert "max_batch_size: 1\n" in (tmp_path / "a" / "paged_llm" / "config.pbtxt").read_text()
+    _write(tmp_path / "b", [])
+    assert "max_batch_size" not in (tmp_path / "b" / "paged_llm" / "config.pbtxt").read_text()
+    assert main(["triton-repo", str(tmp_path / "c"), "--model", "tiny-llama", "--layout", "python",
+                 "--max-batch-size", "1"]) == 2
+    assert "backend layout" in capsys.readouterr().err

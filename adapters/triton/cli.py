@@ -53,6 +53,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="backend: config.pbtxt names the paged_backend backend, as for Triton's vLLM backend "
                         "(default); python: a Python-backend model with its own 1/model.py")
     p.add_argument("--instance-count", type=int, default=1, help="model instances (they share the device's memory)")
+    p.add_argument("--max-batch-size", type=int, choices=(0, 1), default=0,
+                   help="1: also take the [1, 1] TensorRT-LLM-style tensors Triton's OpenAI frontend sends to "
+                        "backends not named vllm (then every request needs the batch dimension)")
     p.add_argument("--kind", choices=("KIND_CPU", "KIND_GPU", "KIND_MODEL"), default="KIND_CPU",
                    help="instance kind: KIND_GPU runs each instance on its own GPU, KIND_CPU on the host, "
                         "KIND_MODEL where --device says (default: a GPU if there is one)")
@@ -102,7 +105,8 @@ def _write(args: argparse.Namespace, out_dir: Path) -> Path:
 
     return write_model_repository(out_dir, args.name, model_options(args),
                                   report_metrics=not args.no_custom_metrics, layout=args.layout,
-                                  instance_count=args.instance_count, kind=args.kind)
+                                  instance_count=args.instance_count, kind=args.kind,
+                                  max_batch_size=args.max_batch_size)
 
 
 def run_repo(args: argparse.Namespace) -> int:

@@ -73,14 +73,22 @@ def _tensor_block(kind: str, entries: List[Dict[str, Any]]) -> str:
 
 
 def config_pbtxt(name: str, instance_count: int = 1, report_metrics: bool = True, layout: str = "backend",
-                 kind: str = "KIND_CPU") -> str:
+                 kind: str = "KIND_CPU", max_batch_size: int = 0) -> str:
     """The model configuration. "backend": the backend's name and the instance group (the rest comes from
-    auto-completion); "python": the Python backend with every tensor, decoupled, no Triton batching."""
+    auto-completion; `max_batch_size` 1 takes the [1, 1] TensorRT-LLM-style tensors Triton's OpenAI frontend
+    sends); "python": the Python backend with every tensor, decoupled, no Triton batching."""
+    if max_batch_size not in (0, 1):
+        raise ValueError(f"max_batch_size must be 0 (vLLM's format) or 1 (also TensorRT-LLM's, [1, 1] tensors), "
+                         f"got {max_batch_size!r}")
+    if max_batch_size and layout != "backend":
+        raise ValueError("max_batch_size 1 needs the backend layout (its auto-completion adds the TensorRT-LLM "
+                         "inputs)")
     metrics = "true" if report_metrics else "false"
     instances = f"instance_group [\n  {{\n    count: {instance_count}\n    kind: {kind}\n  }}\n]\n"
     parameters = f'parameters {{\n  key: "REPORT_CUSTOM_METRICS"\n  value: {{ string_value: "{metrics}" }}\n}}\n'
     if layout == "backend":
-        return f'name: "{name}"\nbackend: "{BACKEND_NAME}"\n' + instances + parameters
+        batch = f"max_batch_size: {max_batch_size}\n" if max_batch_size else ""
+        return f'name: "{name}"\nbackend: "{BACKEND_NAME}"\n' + batch + instances + parameters
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
             f"model_transaction_policy {{\n  decoupled: true\n}}\n"
             + _tensor_block("input", input_configs()) + _tensor_block("output", output_configs())
@@ -90,7 +98,7 @@ def config_pbtxt(name: str, instance_count: int = 1, report_metrics: bool = True
 def write_model_repository(out_dir: Union[str, Path], name: str = "paged_llm",
                            options: Union[Dict[str, Any], None] = None, version: int = 1,
                            report_metrics: bool = True, validate: bool = True, layout: str = "backend",
-                           instance_count: int = 1, kind: str = "KIND_CPU") -> Path:
+                           instance_count: int = 1, kind: str = "KIND_CPU", max_batch_size: int = 0) -> Path:
     """Write (or overwrite) model `name` under `out_dir`; returns the model folder.
 
     `options` is the content of model.json (vLLM's engine arguments); it is validated first unless
@@ -108,7 +116,8 @@ def write_model_repository(out_dir: Union[str, Path], name: str = "paged_llm",
     model_dir = Path(out_dir) / name
     version_dir = model_dir / str(version)
     version_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(name, instance_count, report_metrics, layout, kind))
+    config = config_pbtxt(name, instance_count, report_metrics, layout, kind, max_batch_size)
+    (model_dir / "config.pbtxt").write_text(config)
     if layout == "python":
         (version_dir / "model.py").write_text(MODEL_PY)
     else:
