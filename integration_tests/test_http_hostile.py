@@ -42,37 +42,17 @@ def test_bodies_over_the_limit_get_413_in_each_shape(http):
 def test_tokenizing_a_large_body_leaves_the_event_loop_free(http_server, http):
     # ~1.9 MB of text, truncated to its last tokens: it must be tokenized whole (about a second here)
     body = {"inputs": "word " * 380_000, "parameters": {"max_new_tokens": 2, "truncate": 8}}
-    done = {}
-
-    def big():
-        start = time.monotonic()
-        done["response"] = httpx.post(http_server.url + "/generate", json=body, headers=AUTH, timeout=120)
-        done["seconds"] = time.monotonic() - start
-
-    # The probes time the server, not this process: late in the suite a full collection of this process's
-    # garbage collector takes over half a second (seen in CI), so it is held off while they run.
-    gc.collect()
-    gc.disable()
-    try:
-        thread = threading.Thread(target=big)
-        thread.start()
-        probes = []
-        while thread.is_alive():
-            start = time.monotonic()
-            assert http.get("/health").status_code == 200
-            probes.append(time.monotonic() - start)
-            time.sleep(0.02)
-        thread.join()
-    finally:
-        gc.enable()
-    assert done["response"].status_code == 200, done["response"].text
-    assert len(probes) >= 3, (done["seconds"], probes)
-    assert max(probes) < done["seconds"] / 2, (done["seconds"], probes)  # /health never waited for it
+    response, seconds, probes = _probe_health_while(
+        http, lambda: httpx.post(http_server.url + "/generate", json=body, headers=AUTH, timeout=120))
+    assert response.status_code == 200, response.text
+    assert len(probes) >= 3, (seconds, probes)
+    assert max(probes) < seconds / 2, (seconds, probes)  # /health never waited for it
 
 
 def _probe_health_while(http, post) -> tuple:
-    """Run `post()` in a thread and time /health probes meanwhile: (response, seconds, probe times). The
-    probes time the server, not this process (its garbage collector is held off, as above)."""
+    """Run `post()` in a thread and time /health probes meanwhile: (response, seconds, probe times). The probes
+    time the server, not this process: late in the suite a full collection of this process's garbage collector
+    takes over half a second (seen in CI), so it is held off while they run."""
     done = {}
 
     def run():

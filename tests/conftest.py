@@ -53,11 +53,14 @@ def assert_no_leaks(engine) -> None:
     assert not bm.block_tables and not bm.swapped_tables
 
 
-def run_to_completion(engine) -> dict:
-    """Step an LLMEngine until it is idle; the final output of every request, by request id."""
-    finals = {}
+def run_to_completion(engine, max_steps: int = 20_000) -> dict:
+    """Step an LLMEngine until it is idle; the final output of every request, by request id. Fails the test
+    (instead of hanging) if that takes more than `max_steps` steps."""
+    finals, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
+        steps += 1
+        assert steps <= max_steps, f"no progress after {steps} steps: {engine.get_stats()}"
     return finals

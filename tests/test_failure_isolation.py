@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import AsyncLLMEngine, LLMEngine, SamplingParams
 from paged_backend.errors import EngineDeadError
 
@@ -26,21 +26,11 @@ def fail_at(num_tokens: int, message: str = "injected fault"):
     return processor
 
 
-def run_bounded(engine: LLMEngine) -> dict:
-    finals, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
-        assert steps <= MAX_STEPS
-    return finals
-
 
 def tokens_alone(model, tok, prompt, params):
     engine = LLMEngine(model, tokenizer=tok, num_blocks=64, block_size=8)
     engine.add_request("alone", prompt, params)
-    return [c.token_ids for c in run_bounded(engine)["alone"].outputs]
+    return [c.token_ids for c in run_to_completion(engine, MAX_STEPS)["alone"].outputs]
 
 
 HEALTHY = {
@@ -61,7 +51,7 @@ def test_a_fault_in_one_requests_sampling_fails_that_request_only(dtype, caplog)
     engine.add_request("faulty-beams", "Beams whose processor breaks",
                        SamplingParams(beam_width=2, temperature=0, max_tokens=10, logits_processors=[fail_at(2)]))
     with caplog.at_level(logging.ERROR, logger="paged_backend"):
-        outs = run_bounded(engine)
+        outs = run_to_completion(engine, MAX_STEPS)
     for rid in ("faulty", "faulty-beams"):
         assert "injected fault" in outs[rid].error and all(c.finish_reason == "abort" for c in outs[rid].outputs)
         assert sum("failed" in r.getMessage() and repr(rid) in r.getMessage() for r in caplog.records) == 1
@@ -90,7 +80,7 @@ def test_a_failed_forward_fails_the_steps_requests_and_the_engine_goes_on():
         return execute(inputs)
 
     engine.runner.execute = flaky
-    outs = run_bounded(engine)
+    outs = run_to_completion(engine, MAX_STEPS)
     for rid in ("first", "second"):
         assert "device hiccup" in outs[rid].error
     assert outs["third"].error is None
@@ -250,7 +240,7 @@ def run_beside(model, tok, healthy: bool):
     eos = engine.eos_token_ids[0]
     for rid, (prompt, params) in {**NEIGHBOURS, **faulty_requests(eos, healthy)}.items():
         engine.add_request(rid, prompt, params)
-    outs = run_bounded(engine)
+    outs = run_to_completion(engine, MAX_STEPS)
     assert_no_leaks(engine)
     return outs
 
@@ -331,7 +321,7 @@ def test_failed_beam_steps_free_every_block_they_forked(monkeypatch):
         calls.clear()
         engine.add_request(f"beams-{i}", "Pick a number:", SamplingParams(
             beam_width=4, temperature=0, max_tokens=6, structured_outputs={"regex": "[0-9]{3}"}))
-        out = run_bounded(engine)[f"beams-{i}"]
+        out = run_to_completion(engine, MAX_STEPS)[f"beams-{i}"]
         assert "injected matcher fault" in out.error
         stats = engine.get_stats()
         assert stats.num_free_blocks == stats.num_blocks, (i, stats)
@@ -339,7 +329,7 @@ def test_failed_beam_steps_free_every_block_they_forked(monkeypatch):
     prompt = tok("Tell me", add_special_tokens=False)["input_ids"]
     engine.add_request("whole-cache", prompt, SamplingParams(temperature=0, ignore_eos=True,
                                                              max_tokens=8 * 8 - len(prompt)))
-    out = run_bounded(engine)["whole-cache"]
+    out = run_to_completion(engine, MAX_STEPS)["whole-cache"]
     assert out.error is None and len(out.outputs[0].token_ids) == 8 * 8 - len(prompt)
     assert_no_leaks(engine)
 
@@ -357,7 +347,7 @@ def test_a_beam_request_whose_rows_fail_one_after_another_keeps_its_first_error(
     engine.add_request("beams", "Hello world", SamplingParams(beam_width=2, temperature=0, max_tokens=6,
                                                                logits_processors=[second_row_fails]))
     with caplog.at_level(logging.ERROR, logger="paged_backend"):
-        out = run_bounded(engine)["beams"]
+        out = run_to_completion(engine, MAX_STEPS)["beams"]
     assert "the second beam's row broke" in out.error, out.error
     assert sum("'beams' failed" in r.getMessage() for r in caplog.records) == 1
     assert engine.get_stats().num_requests_failed == 1

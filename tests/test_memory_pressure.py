@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import LLM, LLMEngine, SamplingParams
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.config import SchedulerConfig
@@ -16,24 +16,13 @@ from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 MAX_STEPS = 2000
 
 
-def run_bounded(engine: LLMEngine, max_steps: int = MAX_STEPS) -> dict:
-    """Step until idle, failing the test (instead of hanging) if that takes more than `max_steps`."""
-    finals, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
-        assert steps <= max_steps, f"no progress after {steps} steps: {engine.get_stats()}"
-    return finals
-
 
 def alone(model, tok, prompt, params, **options):
     """The request's outputs on a roomy engine with nothing else running."""
     options.setdefault("num_blocks", 256)
     engine = LLMEngine(model, tokenizer=tok, **options)
     engine.add_request("alone", prompt, params)
-    out = run_bounded(engine)["alone"]
+    out = run_to_completion(engine, MAX_STEPS)["alone"]
     assert out.error is None
     return [c.token_ids for c in out.outputs]
 
@@ -73,7 +62,7 @@ def test_swapping_out_two_requests_that_share_cached_blocks_in_one_step(dtype):
     engine.step()
     engine.add_request("old", list(range(300, 308)), SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=30,
                                                                     ignore_eos=True), arrival_time=0.0)
-    outs = run_bounded(engine)
+    outs = run_to_completion(engine, MAX_STEPS)
     assert swapped_together, "the scenario must swap both requests out in one step"
     assert engine.get_stats().prefix_cache_hits >= 2
     for rid in "ab":
@@ -120,7 +109,7 @@ def test_recomputing_beams_with_chunked_prefill(dtype):
         engine.step()
     engine.add_request("old", list(range(2000, 2096)), SamplingParams(temperature=0, max_tokens=20,
                                                                       ignore_eos=True), arrival_time=0.0)
-    outs = run_bounded(engine)
+    outs = run_to_completion(engine, MAX_STEPS)
     assert engine.get_stats().num_recompute_preemptions > 0
     assert outs["beam"].error is None and outs["old"].error is None
     if dtype == torch.float64:
@@ -145,7 +134,7 @@ def test_recomputed_samples_match_the_request_alone(mode):
     assert len(group.seqs) == 3
     engine.add_request("old", list(range(2000, 2050)), SamplingParams(temperature=0, max_tokens=30,
                                                                       ignore_eos=True), arrival_time=0.0)
-    outs = run_bounded(engine)
+    outs = run_to_completion(engine, MAX_STEPS)
     assert group.num_preemptions > 0
     assert [c.token_ids for c in outs["samples"].outputs] == alone(model, tok, prompt, params)
     assert_no_leaks(engine)
@@ -167,7 +156,7 @@ def test_swapped_request_that_needs_the_whole_cache_comes_back():
     """Swapped out holding 6 of 8 blocks, it needs 7 at the end: it must come back once the older request
     is done, instead of waiting forever for one more block per sequence than it needs."""
     model, tok, engine, prompt, params = _swap_scenario(b_max_tokens=12)
-    outs = run_bounded(engine, max_steps=200)
+    outs = run_to_completion(engine, max_steps=200)
     assert engine.get_stats().num_swap_preemptions > 0
     assert outs["b"].error is None
     assert [c.token_ids for c in outs["b"].outputs] == alone(model, tok, prompt, params, block_size=8)
@@ -178,7 +167,7 @@ def test_request_that_can_never_fit_fails_instead_of_spinning():
     """The same request wanting 20 tokens per sample needs 9 blocks of an 8-block cache: once it is alone
     it fails with a clear error (the engine once spun forever with it swapped out)."""
     model, tok, engine, prompt, params = _swap_scenario(b_max_tokens=20)
-    outs = run_bounded(engine, max_steps=200)
+    outs = run_to_completion(engine, max_steps=200)
     assert outs["a"].error is None and len(outs["a"].outputs[0].token_ids) == 12
     assert outs["b"].error is not None and "KV blocks" in outs["b"].error
     assert_no_leaks(engine)
@@ -192,7 +181,7 @@ def test_copy_on_write_counts_one_copy_for_the_last_holder():
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=2, ignore_eos=True)
     engine = LLMEngine(model, tokenizer=tok, num_blocks=8, block_size=16)
     engine.add_request("a", prompt, params)
-    out = run_bounded(engine)["a"]
+    out = run_to_completion(engine, MAX_STEPS)["a"]
     assert out.error is None
     assert [c.token_ids for c in out.outputs] == alone(model, tok, prompt, params, block_size=16)
     assert engine.get_stats().num_preemptions == 0
@@ -254,7 +243,7 @@ def test_every_running_decode_sequence_is_scheduled_each_step():
         return out
 
     engine.scheduler.schedule = check
-    outs = run_bounded(engine, max_steps=40)
+    outs = run_to_completion(engine, max_steps=40)
     assert all(o.error is None for o in outs.values())
 
 

@@ -139,6 +139,11 @@ def assert_same_samples(got, want, dtype: torch.dtype, where) -> None:
 def run_under_pressure(model, tok, requests: List[Request], mode: Optional[str]):
     engine = LLMEngine(model, tokenizer=tok, block_size=BLOCK, num_blocks=18, num_swap_blocks=8,
                        enable_prefix_caching=True, max_num_batched_tokens=24, preemption_mode=mode)
+    return engine, run_workload(engine, requests)
+
+
+def run_workload(engine: LLMEngine, requests: List[Request]) -> Dict[str, object]:
+    """Add each request at its arrival step and step until idle, within a bound on the steps."""
     pending = sorted(requests, key=lambda r: r.arrival_step)
     bound = 50 + 4 * sum(len(r.prompt) // 8 + r.params.max_tokens * r.params.num_branches for r in requests)
     finals: Dict[str, object] = {}
@@ -152,7 +157,7 @@ def run_under_pressure(model, tok, requests: List[Request], mode: Optional[str])
                 finals[out.request_id] = out
         step += 1
         assert step <= bound, f"no progress after {step} steps: {engine.get_stats()}"
-    return engine, finals
+    return finals
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute", None], ids=["swap", "recompute", "mixed"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.core.block_manager import HOLE, AllocStatus, BlockManager
 from paged_backend.config import SchedulerConfig
@@ -21,16 +21,6 @@ WINDOW = 8
 MAX_STEPS = 1000
 
 
-def run_bounded(engine: LLMEngine) -> dict:
-    finals, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
-        assert steps <= MAX_STEPS, f"no progress after {steps} steps: {engine.get_stats()}"
-    return finals
-
 
 def hf_greedy(model, prompt, max_tokens):
     ids = torch.tensor([prompt])
@@ -42,7 +32,7 @@ def hf_greedy(model, prompt, max_tokens):
 def alone(model, tok, prompt, params):
     engine = LLMEngine(model, tokenizer=tok, num_blocks=256, block_size=4)
     engine.add_request("alone", prompt, params)
-    out = run_bounded(engine)["alone"]
+    out = run_to_completion(engine, MAX_STEPS)["alone"]
     assert out.error is None
     return [c.token_ids for c in out.outputs]
 
@@ -67,7 +57,7 @@ def test_a_long_windowed_request_survives_recompute_preemption(dtype, prefix_cac
     early_prompt = tok("Paged attention splits memory into blocks of tokens").input_ids
     samples = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
     engine.add_request("early", early_prompt, samples, arrival_time=0.0)
-    finals.update(run_bounded(engine))
+    finals.update(run_to_completion(engine, MAX_STEPS))
     stats = engine.get_stats()
     assert stats.num_recompute_preemptions > 0
     assert finals["long"].error is None, finals["long"].error
@@ -160,20 +150,11 @@ def test_windowed_readmission_reuses_its_window_after_the_head_is_evicted():
 def run_windowed_under_pressure(model, tok, requests, mode):
     """The differential stress workload on a windowed model: blocks of 4 (a window spans three), a cache that
     holds the longest prompt but not the workload, prefills chunked by an 8-token budget."""
+    from test_stress_differential import run_workload  # here: imported at the top, its tests would run twice
+
     engine = LLMEngine(model, tokenizer=tok, block_size=4, num_blocks=14, num_swap_blocks=16,
                        enable_prefix_caching=True, max_num_batched_tokens=8, preemption_mode=mode)
-    pending = sorted(requests, key=lambda r: r.arrival_step)
-    finals, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0].arrival_step <= step:
-            request = pending.pop(0)
-            engine.add_request(request.request_id, request.prompt, request.params)
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        step += 1
-        assert step <= 3000, f"no progress after {step} steps: {engine.get_stats()}"
-    return engine, finals
+    return engine, run_workload(engine, requests)
 
 
 @pytest.mark.parametrize("mode", ["recompute", None], ids=["recompute", "mixed"])
