@@ -169,5 +169,6 @@ def test_attention_options_read_the_applied_keywords():
 ])
 def test_info_shows_each_layer_groups_attention(name, lines):
     report = model_info(name, kv_cache_memory="1MiB").splitlines()
-    attention = [line[20:] for line in report[report.index(next(l for l in report if l.startswith("attention:"))):]]
-    assert attention == lines
+    start = next(i for i, line in enumerate(report) if line.startswith("attention:"))
+    end = next((i for i in range(start + 1, len(report)) if not report[i].startswith(" ")), len(report))
+    assert [line[20:] for line in report[start:end]] == lines
