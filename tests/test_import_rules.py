@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder in the checkout -> the package it is installed as (pyproject's package-dir)
 FOLDERS = {"paged_backend": "paged_backend", "adapters": "paged_backend.adapters",
            "kernels": "paged_backend.kernels", "benchmarks": "paged_backend.benchmarks"}
-ML_LIBRARIES = ("torch", "transformers", "tokenizers", "xgrammar", "numpy", "triton", "safetensors", "gguf")
+ML_LIBRARIES = ("torch", "transformers", "tokenizers", "xgrammar", "triton", "safetensors", "gguf")  # numpy is fine
 
 # part -> the paged_backend modules (prefixes) it may import, besides itself
 ALLOWED: Dict[str, Tuple[str, ...]] = {
