@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_LANGUAGES = ("", "bash", "sh", "shell", "console")
-FENCE = re.compile(r"^```(\S*)\s*$")
+FENCE = re.compile(r"^(\s*)```(\S*)\s*$")  # a fence may be indented (inside a list item)
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 
 
@@ -75,9 +75,10 @@ def _blocks(text: str) -> Iterator[tuple]:
     while i < len(lines):
         fence = FENCE.match(lines[i])
         if fence:
-            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), len(lines))
-            kind = "shell" if fence.group(1).lower() in SHELL_LANGUAGES else "other"
-            yield kind, lines[i + 1:end], i + 2
+            indent = len(fence.group(1))
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```")), len(lines))
+            kind = "shell" if fence.group(2).lower() in SHELL_LANGUAGES else "other"
+            yield kind, [line[indent:] for line in lines[i + 1:end]], i + 2
             i = end + 1
             continue
         if lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()) and lines[i].strip():
