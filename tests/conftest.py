@@ -64,3 +64,11 @@ def run_to_completion(engine, max_steps: int = 20_000) -> dict:
         steps += 1
         assert steps <= max_steps, f"no progress after {steps} steps: {engine.get_stats()}"
     return finals
+
+
+def hf_greedy_tokens(model, prompt_ids, max_tokens: int) -> list:
+    """transformers' greedy continuation of one prompt, exactly `max_tokens` long (EOS does not stop it)."""
+    ids = torch.tensor([list(prompt_ids)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens)
+    return out[0, len(prompt_ids):].tolist()

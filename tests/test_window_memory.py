@@ -10,17 +10,10 @@ import math
 import pytest
 import torch
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, hf_greedy_tokens
 from paged_backend import LLMEngine, SamplingParams
 
 WINDOW = 8
-
-
-def hf_greedy(model, prompt_ids, max_tokens):
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def run_watching_blocks(engine, until_len):
@@ -52,7 +45,7 @@ def test_a_windowed_model_holds_o_window_blocks_and_the_same_tokens(name, block_
     assert most <= bound, (most, bound)
     assert engine.get_stats().max_blocks_per_seq <= bound
     for rid, ids in prompts.items():
-        assert finals[rid].outputs[0].token_ids == hf_greedy(model, ids, max_tokens), rid
+        assert finals[rid].outputs[0].token_ids == hf_greedy_tokens(model, ids, max_tokens), rid
     assert_no_leaks(engine)
 
 

@@ -6,9 +6,8 @@ blocks behind the window were evicted."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import assert_no_leaks, get_model, run_to_completion
+from conftest import assert_no_leaks, get_model, hf_greedy_tokens, run_to_completion
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.core.block_manager import HOLE, AllocStatus, BlockManager
 from paged_backend.config import SchedulerConfig
@@ -19,14 +18,6 @@ from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 
 WINDOW = 8
 MAX_STEPS = 1000
-
-
-
-def hf_greedy(model, prompt, max_tokens):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens)
-    return out[0, len(prompt):].tolist()
 
 
 def alone(model, tok, prompt, params):
@@ -61,7 +52,7 @@ def test_a_long_windowed_request_survives_recompute_preemption(dtype, prefix_cac
     stats = engine.get_stats()
     assert stats.num_recompute_preemptions > 0
     assert finals["long"].error is None, finals["long"].error
-    assert finals["long"].outputs[0].token_ids == hf_greedy(model, long_prompt, 60)
+    assert finals["long"].outputs[0].token_ids == hf_greedy_tokens(model, long_prompt, 60)
     assert [c.token_ids for c in finals["early"].outputs] == alone(model, tok, early_prompt, samples)
     assert_no_leaks(engine)
 
