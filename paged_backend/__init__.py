@@ -54,6 +54,7 @@ _PUBLIC: Dict[str, Union[str, Tuple[str, str]]] = {
     "value": "paged_backend.engine.metrics_table",
     # engine options and models, as the command line and the fronts' configs name them
     "KV_CACHE_DTYPES": "paged_backend.config",
+    "compile_mode": "paged_backend.config",
     "parse_memory": "paged_backend.config",
     "add_engine_args": "paged_backend.cli",
     "engine_kwargs": "paged_backend.cli",

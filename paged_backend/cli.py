@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional
 
-from paged_backend.config import KV_CACHE_DTYPES
+from paged_backend.config import COMPILE_MODES, KV_CACHE_DTYPES
 
 # Subcommands that live with their front (adapters, benchmarks): module with add_parser(sub) and run(args).
 EXTERNAL_COMMANDS: Dict[str, str] = {
@@ -57,6 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="share cached prompt prefixes, and let recomputed requests find their own blocks "
                             "(default: on, as in vLLM v1)")
     group.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over")
+    group.add_argument("--compile", nargs="?", const="background", default="off", choices=COMPILE_MODES,
+                       help="run the model forward compiled by torch.compile (inductor), per shape bucket: "
+                            "`--compile` compiles in the background while steps run eagerly, `--compile blocking` "
+                            "before serving; compiled code is cached on disk (default: off)")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -68,7 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                 enable_prefix_caching=args.enable_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                tensor_parallel_size=args.tensor_parallel_size, compile=args.compile, seed=args.seed)
 
 
 def _add_info(sub) -> None:

@@ -119,6 +119,34 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
 
 
+# How the model forward runs (worker/compiled_forward.py): eagerly, or compiled by torch.compile per shape bucket,
+# in a background thread (steps run eagerly until their bucket is ready) or before the engine is returned.
+COMPILE_MODES = ("off", "background", "blocking")
+
+
+def compile_mode(value: Union[bool, str, None]) -> str:
+    """The compile mode an option names: False/None/'off', True/'background', 'blocking'."""
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "background"
+    if isinstance(value, str) and value in COMPILE_MODES:
+        return value
+    raise ValueError(f"compile must be True, False or one of {COMPILE_MODES}, got {value!r}")
+
+
+@dataclass
+class CompilationConfig:
+    """`compile`: run the model forward compiled (torch.compile with inductor, per shape bucket). Off by default:
+    the first compilation takes minutes of CPU (cached on disk afterwards), and compiled float32 code rounds
+    differently from transformers' eager forward (docs/compilation.md)."""
+
+    compile: Union[bool, str] = False
+
+    def __post_init__(self) -> None:
+        self.compile = compile_mode(self.compile)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model itself."""
@@ -126,13 +154,20 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
     seed: int = 0
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
+
+    def __post_init__(self) -> None:
+        if self.compilation.compile != "off" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("compile is not available with tensor_parallel_size > 1 (each rank would compile its "
+                             "shard separately); run tensor-parallel engines eagerly")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from the flat keyword names that `LLM(...)` and the CLIs use; unknown names raise."""
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                 "compilation": CompilationConfig}
         values: dict = {name: {} for name in parts}
         seed = kwargs.pop("seed", 0)
         max_logprobs = kwargs.pop("max_logprobs", 20)
@@ -150,5 +185,6 @@ class EngineConfig:
 
 ENGINE_OPTION_NAMES = tuple(
     sorted(set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
-           | set(ParallelConfig.__dataclass_fields__) | {"seed", "max_logprobs"})
+           | set(ParallelConfig.__dataclass_fields__) | set(CompilationConfig.__dataclass_fields__)
+           | {"seed", "max_logprobs"})
 )

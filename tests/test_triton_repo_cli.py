@@ -32,6 +32,7 @@ NON_DEFAULT = {
     "preemption_mode": ["--preemption-mode", "swap"],
     "enable_prefix_caching": ["--no-enable-prefix-caching"],
     "tensor_parallel_size": ["--tensor-parallel-size", "2", "--kind", "KIND_MODEL"],
+    "compile": ["--compile", "blocking"],
     "seed": ["--seed", "5"],
 }
 KIND_NAMES = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_MODEL": "MODEL"}

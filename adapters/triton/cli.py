@@ -4,6 +4,7 @@ Python-based backend into a Triton backends folder) and `paged-backend triton-se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import tempfile
 import time
@@ -87,7 +88,9 @@ def _engine_values(args: argparse.Namespace) -> Dict[str, Any]:
     for key in ("dtype", "device"):
         kwargs.pop(key)
     config = EngineConfig.from_kwargs(**kwargs)
-    parts = (config.cache, config.scheduler, config.parallel, config)
+    parts = [getattr(config, f.name) for f in dataclasses.fields(config)
+             if dataclasses.is_dataclass(getattr(config, f.name))]   # the option groups (cache, scheduler, ...)
+    parts.append(config)
     return {key: next(getattr(part, key) for part in parts if hasattr(part, key)) for key in kwargs}
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
-from paged_backend import EngineConfig, KV_CACHE_DTYPES, parse_memory, to_bool, to_float, to_int, to_str
+from paged_backend import EngineConfig, KV_CACHE_DTYPES, compile_mode, parse_memory, to_bool, to_float, to_int, to_str
 
 MODEL_JSON = "model.json"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -67,6 +67,13 @@ def _dtype(name: str, value: Any) -> str:
     return text
 
 
+def _compile(name: str, value: Any) -> str:
+    """This engine's `compile`: true/false or a mode ("off", "background", "blocking")."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on"):
+        value = to_bool(name, value)
+    return compile_mode(value.strip().lower() if isinstance(value, str) else value)
+
+
 def _device(name: str, value: Any) -> str:
     text = to_str(name, value).strip().lower()
     if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
@@ -89,6 +96,7 @@ _ENGINE_ARGS: Dict[str, tuple] = {
     # this engine's own sizing options
     "num_blocks": (_optional(to_int), "num_blocks"), "kv_cache_memory": (_optional(_memory), "kv_cache_memory"),
     "num_swap_blocks": (_optional(to_int), "num_swap_blocks"), "watermark": (to_float, "watermark"),
+    "compile": (_compile, "compile"),   # the compiled forward (off unless asked; vLLM's enforce_eager is the default)
 }
 # the model and how it is loaded and reported
 _MODEL_ARGS: Dict[str, Callable[[str, Any], Any]] = {
@@ -194,6 +202,8 @@ def parse_model_options(values: Dict[str, Any]) -> ModelOptions:
         else:
             options.ignored[name] = value
     options.engine = {k: v for k, v in options.engine.items() if v is not None}
+    if options.engine.get("compile", "off") != "off" and to_bool("enforce_eager", options.ignored.get("enforce_eager", False)):
+        raise ValueError(f"{MODEL_JSON} sets both compile={options.engine['compile']!r} and enforce_eager=true; give one")
     if not options.model.strip():
         raise ValueError(f"model in {MODEL_JSON} must name a preset or a model directory")
     EngineConfig.from_kwargs(**dict(options.engine))  # validates ranges, raises ValueError

@@ -133,7 +133,7 @@ class LLMEngine:
         cache = CacheEngine(self.geometry, self.config.cache.block_size, self.kv_size.num_blocks,
                             self.kv_size.num_swap_blocks,
                             kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype), self.device)
-        return ModelRunner(self.model, cache)
+        return ModelRunner(self.model, cache, compile=self.config.compilation.compile)
 
     # ---- requests ----------------------------------------------------------------------------
     @property

@@ -138,6 +138,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
                             dropout: float = 0.0, **kwargs):
     """transformers attention interface: q `[1, H, T, D]`, k/v `[1, KVH, T, D]` -> `[1, T, H, D]`."""
+    if torch.compiler.is_dynamo_compiling():   # traced by the compiled forward: the kernel is one opaque op
+        from paged_backend.worker.attention_op import traced_attention
+
+        return traced_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     metadata = current_metadata()
     if metadata is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -147,6 +151,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                              f"back to SDPA, which cannot apply attention sinks (s_aux)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
+    options = checked_options(module, query, attention_mask, dropout, kwargs)
+    out = attend_step(query, key, value, _layer_index(module, metadata), scaling, options, metadata)
+    return out, None
+
+
+def checked_options(module: torch.nn.Module, query: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                    dropout: Any, kwargs: Dict[str, Any]) -> AttentionOptions:
+    """The call's options, after the checks that do not depend on the step (traceable: no metadata read)."""
     options = attention_options(module, dropout, kwargs)
     if attention_mask is not None:
         raise ValueError(f"{describe_module(module)}: the model passed its own attention mask; the paged backend "
@@ -156,7 +168,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if options.sinks is not None and options.sinks.shape[0] != query.shape[1]:
         raise ValueError(f"{describe_module(module)}: s_aux has {options.sinks.shape[0]} sinks for {query.shape[1]} "
                          f"query heads (sinks are not sharded over tensor-parallel ranks)")
-    layer = _layer_index(module, metadata)
+    return options
+
+
+def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: Optional[float],
+                options: AttentionOptions, metadata: AttentionMetadata) -> torch.Tensor:
+    """Write the step's k/v of cache layer `layer` and attend through the block tables: `[1, T, H, D]`."""
     key_cache, value_cache = metadata.kv_caches[layer]
     k_scale, v_scale = metadata.kv_scales[layer] if metadata.kv_scales is not None else (1.0, 1.0)
     q = query[0].transpose(0, 1)
@@ -174,12 +191,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                   metadata.context_lens, metadata.query_start_loc, scaling, plan=plan,
                                   sliding_window=window, softcap=options.softcap, sinks=options.sinks,
                                   k_scale=k_scale, v_scale=v_scale)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def paged_attention_mask(*args, **kwargs):
-    """No dense mask during a step: causality and sequence boundaries come from the metadata."""
-    if current_metadata() is None:
+    """No dense mask during a step: causality and sequence boundaries come from the metadata (the compiled
+    forward is traced only for steps)."""
+    if not torch.compiler.is_dynamo_compiling() and current_metadata() is None:
         from transformers.masking_utils import sdpa_mask
 
         return sdpa_mask(*args, **kwargs)

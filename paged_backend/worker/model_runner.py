@@ -7,13 +7,16 @@ logits only for the rows that sample. The device side: it knows nothing of the s
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 import torch
 
 from paged_backend.worker.attention import ATTENTION_NAME, AttentionMetadata, attention_context, register_attention
 from paged_backend.worker.cache_engine import CacheEngine
+from paged_backend.config import compile_mode
+from paged_backend.worker.compiled_forward import CompiledForward, eager_forward
 from paged_backend.worker.model_support import check_model_supported
 from paged_backend.worker.step_inputs import StepInputs
 
@@ -31,7 +34,7 @@ def attention_layers(model: torch.nn.Module) -> Dict[int, int]:
 class ModelRunner:
     """Runs steps of one model over its paged KV cache."""
 
-    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine) -> None:
+    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine, compile: object = False) -> None:
         check_model_supported(model)
         register_attention()
         self.model = model
@@ -41,16 +44,31 @@ class ModelRunner:
         if len(set(self.layer_of.values())) != cache_engine.geometry.num_layers:
             raise ValueError(f"{type(model).__name__}: found {len(set(self.layer_of.values()))} attention layers "
                              f"with a layer index, expected {cache_engine.geometry.num_layers}")
+        self._attention_users = 0   # steps and compilations running with our attention function set
+        self._attention_lock = threading.Lock()
+        self.compiled: Optional[CompiledForward] = None   # compile=...: the compiled forward (compiled_forward.py)
+        self.forward = eager_forward(model)
+        if compile_mode(compile) != "off":
+            self.compiled = self.forward = CompiledForward(model, cache_engine, compile_mode(compile),
+                                                           self._paged_attention)
 
     @contextmanager
     def _paged_attention(self) -> Iterator[None]:
+        """Our attention function as the model's implementation while a step or a compilation (which may run in
+        another thread, for tens of seconds) uses it; the previous one is back when neither does."""
         config = self.model.config
-        previous = config._attn_implementation
-        config._attn_implementation = ATTENTION_NAME
+        with self._attention_lock:
+            if self._attention_users == 0:
+                self._previous_attention = config._attn_implementation
+                config._attn_implementation = ATTENTION_NAME
+            self._attention_users += 1
         try:
             yield
         finally:
-            config._attn_implementation = previous
+            with self._attention_lock:
+                self._attention_users -= 1
+                if self._attention_users == 0:
+                    config._attn_implementation = self._previous_attention
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`."""
@@ -67,9 +85,7 @@ class ModelRunner:
         # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
         # inference tensors forbid outside inference mode.
         with torch.no_grad(), attention_context(metadata), self._paged_attention():
-            output = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.positions[None],
-                                use_cache=False, logits_to_keep=inputs.sample_indices)
-        return output.logits[0]
+            return self.forward(inputs.input_ids, inputs.positions, inputs.sample_indices)
 
     def shutdown(self) -> None:
         """Release the KV cache; the runner cannot run steps afterwards."""

@@ -1,0 +1,208 @@
+"""The model's step forward under `torch.compile` (inductor), per shape bucket, eager until a bucket is compiled.
+
+A decode step on the CPU at small batches is hundreds of small operators per token (30 layers of norms, rotary,
+activation products and residual adds around the linear layers), each dispatched one by one in eager mode.
+Compiling the unmodified Hugging Face forward fuses them into a few loops per layer; attention stays our kernel
+as one opaque operator (`attention_op.py`). Like CUDA graphs on a GPU the compiled code is kept per bucket:
+
+- `single`: one new token (batch-1 decode), every shape static;
+- `batch`: two or more new tokens (decode batches, prefill chunks, mixed steps), the token count and the count
+  of sampled rows symbolic (at least 2: a step that samples one row samples it twice and keeps the first).
+
+`CompiledForward` compiles the buckets when it is created: in a background thread (`compile="background"`,
+the default of `compile=True`: steps run eagerly until their bucket is ready, so a server answers at once), or
+before returning (`compile="blocking"`). Warm-up runs use a scratch KV cache of a few blocks, never the engine's.
+The step thread only ever runs code compiled before (`torch._dynamo.run`): a step whose shape no compiled
+graph accepts runs eagerly instead of compiling inside a step.
+
+Compiled code is cached across runs by inductor's on-disk caches (FX graph and AOTAutograd caches) under
+`$PAGED_BACKEND_CACHE/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set): a later start re-traces the model
+(seconds) and loads the compiled kernels instead of generating and building them (minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Dict, Optional
+
+import torch
+
+from paged_backend.worker.attention import AttentionMetadata, attention_context
+from paged_backend.worker.cache_engine import CacheEngine
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = ("single", "batch")
+# Inductor options: loops shorter than this many elements run on one thread (a 576-wide norm or a 1536-wide
+# activation product at batch 1 is not worth waking a thread team for; a parallel region per small loop costs
+# more than the loop when the cores are shared).
+INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384}
+
+MAX_BATCH_TOKENS = 1 << 20   # the batch bucket's bound on a step's tokens (a larger step runs eagerly)
+
+StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps compiled code: $TORCHINDUCTOR_CACHE_DIR when the user set it, else `inductor/` in the
+    project's cache dir. Torch writes its own default (a folder under /tmp) into that variable the first time it
+    asks, so a value equal to that default is not taken as the user's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from paged_backend.worker.loader import cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
+        return given
+    return str(cache_dir() / "inductor")
+
+
+def bucket_of(num_tokens: int) -> str:
+    return "single" if num_tokens == 1 else "batch"
+
+
+def eager_forward(model: torch.nn.Module) -> StepForward:
+    """The step's forward: the packed row through the HF model, logits of the sampled rows only."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
+        output = model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                       logits_to_keep=sample_indices)
+        return output.logits[0]
+
+    return forward
+
+
+def _own_code(function: StepForward) -> StepForward:
+    """`function` with a code object of its own: dynamo keeps compiled graphs on the code object (at most
+    `recompile_limit` per code object), so each engine's two buckets get their own list and die with it."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+
+
+@dataclass
+class BucketState:
+    """One bucket's compilation: whether it is ready, how long it took, why it failed."""
+
+    ready: bool = False
+    seconds: Optional[float] = None
+    error: Optional[str] = None
+    steps: int = 0            # steps run compiled in this bucket
+
+    def as_dict(self) -> dict:
+        return {"ready": self.ready, "seconds": self.seconds, "error": self.error, "steps": self.steps}
+
+
+@dataclass
+class CompileStats:
+    mode: str
+    cache_dir: str
+    buckets: Dict[str, BucketState] = field(default_factory=lambda: {b: BucketState() for b in BUCKETS})
+    eager_steps: int = 0      # steps run eagerly because their bucket was not ready
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "cache_dir": self.cache_dir, "eager_steps": self.eager_steps,
+                "buckets": {name: state.as_dict() for name, state in self.buckets.items()}}
+
+
+class CompiledForward:
+    """A step forward that runs compiled code for buckets that are ready and eager code otherwise."""
+
+    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine, mode: str,
+                 paged_attention: Callable[[], ContextManager]) -> None:
+        """`paged_attention()`: the context in which the model calls our attention function (the runner's)."""
+        if mode not in ("background", "blocking"):
+            raise ValueError(f"CompiledForward mode must be 'background' or 'blocking', got {mode!r}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+        import paged_backend.worker.attention_op  # noqa: F401  (registers torch.ops.paged_backend.attend_step)
+
+        self.eager = eager_forward(model)
+        self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+        self._run_only = torch._dynamo.run(self._compiled)
+        self._scratch = _ScratchStep(cache_engine)
+        self._paged_attention = paged_attention
+        self.stats = CompileStats(mode, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        self._done = threading.Event()
+        if mode == "blocking":
+            self._compile_all()
+        else:
+            self._thread = threading.Thread(target=self._compile_all, name="paged-backend-compile", daemon=True)
+            self._thread.start()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
+        state = self.stats.buckets[bucket_of(input_ids.shape[0])]
+        if not state.ready:
+            self.stats.eager_steps += 1
+            return self.eager(input_ids, positions, sample_indices)
+        state.steps += 1
+        keep = sample_indices.shape[0]
+        least = 1 if input_ids.shape[0] == 1 else 2   # the rows each bucket was compiled for, at the least
+        if keep < least:   # a step that samples fewer (a prefill chunk samples none) computes the last row's too
+            padded = torch.full((least,), input_ids.shape[0] - 1, dtype=sample_indices.dtype,
+                                device=sample_indices.device)
+            padded[:keep] = sample_indices
+            sample_indices = padded
+        return self._run_only(input_ids, positions, sample_indices)[:keep]
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every bucket is compiled (or failed); True when done."""
+        return self._done.wait(timeout)
+
+    def _compile_all(self) -> None:
+        try:
+            for bucket in BUCKETS:
+                self._compile(bucket)
+        finally:
+            self._done.set()
+
+    def _compile(self, bucket: str) -> None:
+        state = self.stats.buckets[bucket]
+        began = time.perf_counter()
+        try:
+            args, metadata = self._scratch.inputs(bucket)
+            with torch.no_grad(), attention_context(metadata), self._paged_attention():
+                self._compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - a bucket that cannot compile stays eager, and says why
+            state.error = f"{type(exc).__name__}: {exc}"[:2000]
+            logger.warning("compiling the %s bucket failed; its steps run eagerly: %s", bucket, state.error)
+            return
+        state.seconds = time.perf_counter() - began
+        state.ready = True
+        logger.info("compiled the %s bucket in %.1f s", bucket, state.seconds)
+
+
+class _ScratchStep:
+    """Synthetic steps over a scratch KV cache of a few blocks, to trace and compile each bucket."""
+
+    def __init__(self, cache_engine: CacheEngine) -> None:
+        self.block_size = cache_engine.block_size
+        self.device = cache_engine.kv.device
+        self.cache = CacheEngine(cache_engine.geometry, cache_engine.block_size, 4, 0, cache_engine.kv.dtype,
+                                 self.device)
+
+    def inputs(self, bucket: str):
+        """(input_ids, positions, sample_indices) and the attention metadata of a bucket's warm-up step: one
+        decode token; or 3 sequences with 1, 1 and 3 new tokens (token and sampled-row counts differ, so the
+        two sizes get separate symbols)."""
+        query_lens = [1] if bucket == "single" else [1, 1, 3]
+        context_lens = [2, 1, 3] if bucket == "batch" else [2]
+        num_seqs, tokens = len(query_lens), sum(query_lens)
+        i64 = dict(dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(c - q, c, **i64) for c, q in zip(context_lens, query_lens)])
+        slots = torch.cat([torch.arange(c - q, c, **i64) + s * self.block_size
+                           for s, (c, q) in enumerate(zip(context_lens, query_lens))])
+        starts = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32, device=self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=slots, block_tables=torch.arange(num_seqs, dtype=torch.int32, device=self.device)[:, None],
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device), query_start_loc=starts,
+            block_size=self.block_size, kv_caches=self.cache.kv_caches, layer_of={}, kv_scales=self.cache.kv_scales)
+        sample_indices = starts[1:].to(torch.long) - 1
+        input_ids = torch.zeros(tokens, **i64)
+        if bucket == "batch":
+            for tensor in (input_ids, positions, sample_indices):
+                torch._dynamo.mark_dynamic(tensor, 0, min=2, max=MAX_BATCH_TOKENS)
+        return (input_ids, positions, sample_indices), metadata
