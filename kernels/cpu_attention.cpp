@@ -457,6 +457,9 @@ int paged_attention(const void* query, void* out, const void* key_cache, const v
 
 extern "C" {
 
+// The vector width this build uses, in bytes (64 where it targets AVX-512, else 32): see cpu_features.py.
+int64_t vector_bytes() { return cpu_kernels::kVectorBytes; }
+
 // Returns 0 on success, 1 for an unknown cache type. `query`, `out` and `sinks` are float32
 // (paged_attention_f32) or float64 (paged_attention_f64); the caller validates shapes.
 int paged_attention_f32(const void* query, void* out, const void* key_cache, const void* value_cache,

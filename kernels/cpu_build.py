@@ -42,7 +42,8 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
     #  sliding_window, softcap, sinks, num_threads)
     "cpu_attention": {name: (ctypes.c_int, [_p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
                                             _i64, _f64, _f64, _i64, _f64, _p, _i64])
-                      for name in ("paged_attention_f32", "paged_attention_f64")},
+                      for name in ("paged_attention_f32", "paged_attention_f64")}
+                     | {"vector_bytes": (ctypes.c_int64, [])},   # the build's vector width (cpu_features.py)
     # (logits, row_stride, num_rows, vocab, top_k, top_p, min_p, greedy, uniforms, draw_offsets, tokens,
     #  logprobs, kept, log_norm, num_threads)
     "cpu_sampler": {"sample_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p,

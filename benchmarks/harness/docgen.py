@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from paged_backend.benchmarks.harness.provenance import instruction_sets_text
+
 BLOCK = re.compile(r"(<!-- generated: ([a-z]+)(?: ([a-z-]+))? -->\n)(.*?)(<!-- end generated -->)", re.S)
 
 
@@ -70,7 +72,7 @@ def render_record(name: str, record: dict) -> str:
              f"`{record.get('size', '?')}`) |",
              f"| commit | {_commit_text(record)}, {_when(c)} |",
              f"| machine | {m.get('host_cpus', '?')} cores ({m.get('usable_cpus', '?')} usable), "
-             f"{m.get('cpu_model') or 'unknown CPU'}, {m.get('memory_gib', '?')} GiB |",
+             f"{m.get('cpu_model') or 'unknown CPU'}{instruction_sets_text(m)}, {m.get('memory_gib', '?')} GiB |",
              f"| load average (1/5/15 min) | {_load(c)} |",
              f"| torch | {v.get('torch')}, {c.get('torch_threads')} threads; transformers {v.get('transformers')}, "
              f"Python {v.get('python')} |"]

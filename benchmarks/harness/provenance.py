@@ -104,13 +104,31 @@ def _memory_gib() -> Optional[float]:
 
 
 def machine() -> Dict[str, object]:
-    """Cores (all and usable by this process), CPU model, memory, OS and the load average now."""
+    """Cores (all and usable by this process), CPU model and instruction sets, memory, OS and the load average
+    now."""
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
     return {"host_cpus": os.cpu_count(), "usable_cpus": usable, "cpu_model": _cpu_model(),
-            "memory_gib": _memory_gib(), "os": platform.platform(), "load_average_1_5_15": load_average()}
+            "cpu_features": _cpu_features(), "memory_gib": _memory_gib(), "os": platform.platform(),
+            "load_average_1_5_15": load_average()}
+
+
+def _cpu_features() -> Dict[str, object]:
+    """The instruction sets found at run time and what the kernels and PyTorch use of them (cpu_features.py)."""
+    from paged_backend.kernels.cpu_features import describe
+
+    return describe()
+
+
+def instruction_sets_text(machine: dict) -> str:
+    """` (instruction sets; kernels' width, PyTorch's dispatch)` for records that name them (older ones do not)."""
+    features = machine.get("cpu_features")
+    if not features:
+        return ""
+    return (f" ({', '.join(features.get('instruction_sets') or []) or 'instruction sets unknown'}; C++ kernels "
+            f"{features.get('kernel_vector_bits') or '(not built)'}-bit, PyTorch {features.get('torch_capability')})")
 
 
 def versions(packages=("torch", "transformers", "triton", "paged-backend")) -> Dict[str, Optional[str]]:

@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from paged_backend.benchmarks.harness.provenance import load_average, machine, recorded_git_state, versions
+from paged_backend.benchmarks.harness.provenance import (instruction_sets_text, load_average, machine,
+                                                        recorded_git_state, versions)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def conditions_line(c: Dict[str, Any]) -> str:
     """`conditions()` as one line of text, for records written as Markdown."""
     git, m, v = c["git"], c["machine"], c["versions"]
     return (f"Conditions: commit `{git.get('commit') or 'unknown'}`{' (dirty tree)' if git.get('dirty') else ''}, "
-            f"started {c['time']}; machine: {m.get('host_cpus')} cores, {m.get('cpu_model')}, "
+            f"started {c['time']}; machine: {m.get('host_cpus')} cores, {m.get('cpu_model')}"
+            f"{instruction_sets_text(m)}, "
             f"{m.get('memory_gib')} GiB, load average {m.get('load_average_1_5_15')}; versions: "
             + ", ".join(f"{k} {val}" for k, val in v.items()) + f"; torch threads {c['torch_threads']}")
 

@@ -54,4 +54,8 @@ def kernel_lines(device: torch.device) -> List[str]:
     lines = [f"kernels ({device.type}):".ljust(20) + f"attention {in_use['attention']}, sampler {in_use['sampler']}"]
     for name, reason in kernels.kernel_fallback_reasons().items():
         lines.append("".ljust(20) + f"{name} not built: {reason[:300]}")
+    if device.type == "cpu":   # the instruction sets found at run time, and what the kernels use of them
+        from paged_backend.kernels.cpu_features import describe_lines
+
+        lines += [("cpu:" if i == 0 else "").ljust(20) + line for i, line in enumerate(describe_lines())]
     return lines
