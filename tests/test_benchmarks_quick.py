@@ -581,3 +581,13 @@ def test_a_record_takes_the_conditions_at_the_start_of_the_run_and_at_its_end(tm
     c = result["conditions"]
     assert c["machine"]["load_average_1_5_15"] == [1.0, 1.0, 1.0] and seen["load"] == [2.0, 2.0, 2.0]
     assert c["load_average_after"] == [3.0, 3.0, 3.0] and c["threads"] == 1 and c["time"] <= c["finished"]
+
+
+def test_quick_compiled_decode_study(tmp_path):
+    """About 35 s: two compiled starts of tiny-llama in fresh processes (the cache on disk) and two engines."""
+    result = _bench("compiled-decode", tmp_path)
+    [row] = result["rows"]
+    assert row["dtype"] == "float32" and row["same_greedy_tokens"]
+    assert row["compiled_stats"]["eager_steps"] == 0 and row["decode_ms"]["compiled"]["median"] > 0
+    assert row["weight_bytes"] > 0 and 0 < row["floor_ms"] < row["decode_ms"]["eager"]["median"]
+    assert set(row["starts_s"]) == {"later"} and result["bandwidth"]["best_gb_s"] > 0
