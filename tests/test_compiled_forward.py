@@ -63,6 +63,27 @@ def test_compiled_greedy_tokens_match_transformers(dtype, monkeypatch):
     assert stats.buckets["batch"].steps >= MAX_TOKENS and stats.buckets["single"].steps >= MAX_TOKENS - 1
 
 
+def test_sliding_windows_and_soft_capping_compile_with_the_same_tokens(monkeypatch):
+    """Gemma 2: alternating sliding-window layers and logit soft-capping, options read while tracing."""
+    model, _ = get_model("tiny-gemma2", torch.float32)
+    engine = LLMEngine(model, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
+    eager_calls = _count_eager_attention(monkeypatch)
+    assert _greedy(engine, PROMPTS) == _expected(model, PROMPTS)
+    assert engine.runner.compiled.stats.eager_steps == 0 and eager_calls == [], engine.runner.compiled.stats.as_dict()
+
+
+def test_a_model_that_cannot_compile_runs_eagerly_and_says_why():
+    """gpt-oss routes tokens to experts by data-dependent counts, which a full graph cannot hold: both buckets
+    fail to compile, say why, and every step runs eagerly with transformers' tokens."""
+    model, _ = get_model("tiny-gpt-oss", torch.float32)
+    engine = LLMEngine(model, num_blocks=64, compile="blocking")
+    stats = engine.runner.compiled.stats
+    assert not any(state.ready for state in stats.buckets.values())
+    assert all("data-dependent" in state.error for state in stats.buckets.values()), stats.as_dict()
+    assert _greedy(engine, PROMPTS) == _expected(model, PROMPTS)
+    assert stats.eager_steps >= MAX_TOKENS
+
+
 def test_compiled_code_is_cached_and_background_compile_serves_eagerly_until_ready():
     from torch._dynamo.utils import counters
 
