@@ -89,14 +89,26 @@ class Scheduler:
 
     def free_finished(self) -> List[SequenceGroup]:
         """Free the blocks of finished sequences; drop finished requests from the running queue."""
+        tables = self.block_manager.block_tables
+        done = []
         for group in self.running:
             for seq in group.seqs:
-                if seq.is_finished():
+                if seq.seq_id in tables and seq.is_finished():
                     self.block_manager.free(seq)
-        done = [g for g in self.running if g.is_finished()]
+            if group.is_finished():
+                done.append(group)
         if done:
             self.running = [g for g in self.running if not g.is_finished()]
         return done
+
+    def discard_finished(self, group: SequenceGroup) -> None:
+        """A request that finished while it was preempted (with overlapped scheduling its last token can arrive
+        after the scheduler swapped it out or queued it for recomputation): it leaves its queue and frees its
+        blocks."""
+        for queue in (self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+                self.finish_group(group, SequenceStatus.FINISHED_ABORTED)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -116,7 +128,10 @@ class Scheduler:
 
     def _keep_running(self, out: SchedulerOutput) -> List[SequenceGroup]:
         """Give every running request slots for its next tokens, preempting from the back."""
-        queue = deque(sorted(self.running, key=lambda g: g.metrics.arrival_time))
+        ordered = sorted(self.running, key=lambda g: g.metrics.arrival_time)
+        if self._decode_all(ordered):
+            return ordered
+        queue = deque(ordered)
         kept: List[SequenceGroup] = []
         bm = self.block_manager
         while queue:
@@ -139,6 +154,23 @@ class Scheduler:
                 self._append_slots(group, out)
                 kept.append(group)
         return kept
+
+    def _decode_all(self, groups: List[SequenceGroup]) -> bool:
+        """The common step: every running sequence decodes one token and their new blocks are free. Then every
+        request keeps running and its slots come from one batched call; False (nothing changed) otherwise."""
+        if not self.block_manager.batched_decode:
+            return False
+        seqs = []
+        running = SequenceStatus.RUNNING
+        for group in groups:
+            if group.fork_pending_len is not None:
+                return False
+            for seq in group.seqs:
+                if seq.status is running:
+                    if seq.len_with_pending - seq.num_computed_tokens != 1:
+                        return False
+                    seqs.append(seq)
+        return self.block_manager.append_decode_slots(seqs)
 
     def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
@@ -220,14 +252,26 @@ class Scheduler:
     def _schedule_tokens(self, groups: List[SequenceGroup], out: SchedulerOutput, budget: _Budget) -> None:
         """Decode tokens first (one per sequence), then prefill chunks, within the token budget."""
         prefilling = []
+        running = SequenceStatus.RUNNING
+        scheduled = out.scheduled
         for group in groups:
-            seqs = self._to_compute(group)
-            if any(s.is_prefill for s in seqs):
+            seqs = []
+            prefill = False
+            for seq in group.seqs:
+                if seq.status is running:
+                    todo = seq.len_with_pending - seq.num_computed_tokens
+                    if todo > 1:
+                        prefill = True
+                        break
+                    if todo == 1:
+                        seqs.append(seq)
+            if prefill:
                 prefilling.append(group)
                 continue
             if len(seqs) > budget.tokens:
                 continue  # cannot happen while the token budget covers max_num_seqs; never starve the rest
-            out.scheduled.extend(ScheduledSeq(group, seq, 1) for seq in seqs)
+            for seq in seqs:
+                scheduled.append(ScheduledSeq(group, seq, 1))
             budget.tokens -= len(seqs)
         for group in prefilling:
             self._schedule_chunks(group, out, budget)

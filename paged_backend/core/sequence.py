@@ -26,6 +26,8 @@ class SequenceStatus(enum.Enum):
                         SequenceStatus.FINISHED_ABORTED)
 
 
+_STOPPED, _LENGTH, _ABORTED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                               SequenceStatus.FINISHED_ABORTED)
 _seq_counter = itertools.count()
 
 
@@ -41,6 +43,10 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: List[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # tokens that launched steps are sampling for this sequence and that are not appended yet (with
+        # overlapped scheduling the next step is scheduled before the previous one's token is known)
+        self.num_pending = 0
+        self.max_len: Optional[int] = None  # the length at which it certainly ends (max_tokens, the context)
         self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
@@ -69,8 +75,17 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def len_with_pending(self) -> int:
+        """Its length once the tokens being sampled for it are appended, what its slots must cover; a pending
+        token that ends it (it reaches `max_len`) does not count: its K/V is never computed."""
+        length = len(self.token_ids) + self.num_pending
+        if self.num_pending and self.max_len is not None and length >= self.max_len:
+            return length - 1
+        return length
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.len_with_pending - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -82,7 +97,8 @@ class Sequence:
         self.cumulative_logprob += logprob
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        status = self.status  # identity tests: an enum's hash is a Python call
+        return status is _STOPPED or status is _LENGTH or status is _ABORTED
 
     def fork(self) -> "Sequence":
         """A copy with a new id, field by field: lists are copied, the grammar state forked, and the RNG left to
@@ -93,6 +109,8 @@ class Sequence:
         child.prompt_len = self.prompt_len
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_pending = self.num_pending
+        child.max_len = self.max_len
         child.max_computed_tokens = self.max_computed_tokens
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
@@ -148,6 +166,7 @@ class SequenceGroup:
         self.fork_pending_len: Optional[int] = None
         self.error: Optional[str] = None
         self.num_preemptions = 0
+        self.sampling_plan: Any = None  # what the engine works out once about sampling its rows (token_processor)
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
         if status is None:
@@ -167,7 +186,11 @@ class SequenceGroup:
         return self.num_unfinished_seqs()
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        for seq in self.seqs:
+            status = seq.status
+            if not (status is _STOPPED or status is _LENGTH or status is _ABORTED):
+                return False
+        return True
 
     def pending_forks(self) -> List[Sequence]:
         """Sequences waiting for the leader to recompute their common prefix before they fork from it."""
