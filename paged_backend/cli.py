@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="share cached prompt prefixes, and let recomputed requests find their own blocks "
                             "(default: on, as in vLLM v1)")
     group.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to shard the model over")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule the next step and prepare its inputs while the model runs the current one "
+                            "(vLLM's name; default: the engine's, on)")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -68,7 +71,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                 enable_prefix_caching=args.enable_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+                **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}))
 
 
 def _add_info(sub) -> None:

@@ -91,6 +91,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     preemption_mode: Optional[str] = None
     max_model_len: Optional[int] = None
+    # vLLM's name: schedule step N+1 and prepare its inputs while step N's forward runs (in a worker thread)
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -106,6 +108,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
 
 
 @dataclass

@@ -86,6 +86,7 @@ _ENGINE_ARGS: Dict[str, tuple] = {
     "kv_cache_memory_bytes": (_optional(_memory), "kv_cache_memory"),
     "preemption_mode": (_optional(_preemption), "preemption_mode"),
     "kv_cache_dtype": (_kv_cache_dtype, "kv_cache_dtype"),
+    "async_scheduling": (to_bool, "async_scheduling"),
     # this engine's own sizing options
     "num_blocks": (_optional(to_int), "num_blocks"), "kv_cache_memory": (_optional(_memory), "kv_cache_memory"),
     "num_swap_blocks": (_optional(to_int), "num_swap_blocks"), "watermark": (to_float, "watermark"),
@@ -101,7 +102,7 @@ NO_MEANING_HERE = frozenset({
     "compilation_config", "disable_custom_all_reduce", "distributed_executor_backend", "worker_use_ray",
     "engine_use_ray", "ray_workers_use_nsight", "disable_log_requests", "enable_log_requests",
     "aggregate_engine_logging", "use_v2_block_manager", "num_scheduler_steps", "multi_step_stream_outputs",
-    "disable_async_output_proc", "async_scheduling", "enable_chunked_prefill", "max_num_partial_prefills",
+    "disable_async_output_proc", "enable_chunked_prefill", "max_num_partial_prefills",
     "max_long_partial_prefills", "long_prefill_token_threshold", "scheduler_delay_factor", "download_dir",
     "revision", "tokenizer_revision", "code_revision", "tokenizer_mode", "served_model_name",
     "max_parallel_loading_workers", "tokenizer_pool_size",
