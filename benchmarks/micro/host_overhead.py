@@ -1,4 +1,5 @@
-"""The engine's own cost per decode step, measured with stand-in runners (no model forward).
+"""The engine's own cost per decode step, measured with stand-in runners (no model forward): part of the overhead
+benchmark, and on its own the study `paged-backend bench host-overhead` (its record names its own commit).
 
 For each batch size: `batch` greedy requests of `prompt_len` tokens are brought to decoding, then `host_steps`
 decode steps are timed one by one (the median is reported):
@@ -16,10 +17,12 @@ import contextlib
 import statistics
 import time
 from collections import defaultdict
-from typing import Callable, Dict, Iterator, List, Optional
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
 from paged_backend.benchmarks.micro.standin_runners import ReadyLogitsRunner
 
 # phase -> the (object, method) pairs of the engine timed as that phase; methods a version lacks are skipped
@@ -127,7 +130,8 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
     finally:
         engine.shutdown()
     ms = sorted(1000 * t for t in times)
-    return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "running": running}
+    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "min_ms": ms[0], "max_ms": ms[-1],
+            "running": running}
 
 
 def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
@@ -135,11 +139,12 @@ def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
     overlapped scheduling (the latter only when the engine has it)."""
     overlap = has_overlap()
     off = False if overlap else None
-    timer = ExclusiveTimer()
-    ready = time_steps(model, tokenizer, prompts, config, off, 0.0, timer)
+    ready = time_steps(model, tokenizer, prompts, config, off, 0.0)
+    timer = ExclusiveTimer()   # the phases on a run of their own, so that the wrapping does not touch `ready`
+    phased = time_steps(model, tokenizer, prompts, config, off, 0.0, timer)
     steps = config.host_steps
     phases = {name: 1000 * timer.seconds[name] / steps for name in HOST_PHASES if name != "other"}
-    phases["other"] = max(0.0, ready["median_ms"] - sum(phases.values()))
+    phases["other"] = max(0.0, phased["mean_ms"] - sum(phases.values()))   # phases are means over the timed steps
     row = {"batch": len(prompts), "running": ready["running"], "ready_sync": ready, "host_phase_ms": phases,
            "phase_calls": {name: timer.calls[name] for name in HOST_PHASES if name != "other"},
            "device_ms": config.device_ms,
@@ -167,3 +172,60 @@ def host_table(rows: List[dict], config: dict) -> List[List[str]]:
 def phase_rows(rows: List[dict]) -> List[List[str]]:
     """Rows of the phase table: where the ready-logits step's host time goes (no overlap)."""
     return [[str(r["running"])] + [f"{r['host_phase_ms'][name]:.2f}" for name in HOST_PHASES] for r in rows]
+
+
+# ---- the study: `paged-backend bench host-overhead` ------------------------------------------------------
+@dataclass
+class HostOverheadConfig:
+    model: str = "smollm2"          # its tokenizer and vocabulary; no forward runs
+    batch_sizes: Tuple[int, ...] = (1, 64, 256)
+    prompt_len: int = 32
+    block_size: int = 16
+    seed: int = 0
+    threads: Optional[int] = None
+    host_steps: int = 30            # decode steps timed per measurement (median reported)
+    device_ms: float = 25.0         # the sleeping runner's time per forward
+
+
+def run_host_overhead(config: HostOverheadConfig) -> dict:
+    from paged_backend.benchmarks.micro.overhead import _prompts
+    from paged_backend.benchmarks.paper.engine_runs import load_bench_model, set_threads
+
+    threads = set_threads(config.threads)
+    model, tokenizer = load_bench_model(config.model)
+    host = [measure_host(model, tokenizer, _prompts(tokenizer, batch, config.prompt_len, config.seed), config)
+            for batch in config.batch_sizes]
+    return {"benchmark": "host-overhead", "config": asdict(config), "conditions": {"threads": threads},
+            "host": host, "overlap": has_overlap()}
+
+
+def check_host_overhead(result: dict) -> List[str]:
+    problems = []
+    for r in result["host"]:
+        if r["running"] != r["batch"]:
+            problems.append(f"batch {r['batch']}: {r['running']} sequences were running")
+        never = [name for name, calls in r["phase_calls"].items() if not calls and name != "block_manager"]
+        if never:
+            problems.append(f"batch {r['batch']}: no call was timed for {', '.join(never)}")
+    return problems
+
+
+def host_overhead_table(result: dict) -> str:
+    c = result["config"]
+    d = c["device_ms"]
+    steps = format_table(
+        ["running seqs", "ready: step ms", "ready, overlap: ms", f"D={d:g} ms: step - D", f"D={d:g}, overlap: - D"],
+        host_table(result["host"], c),
+        f"The engine alone ({c['model']}'s tokenizer, greedy, {c['prompt_len']}-token prompts, median of "
+        f"{c['host_steps']} decode steps, {result['conditions'].get('torch_threads')} threads): a runner that "
+        f"returns ready logits, and one that sleeps D ms per forward (step time minus D); without and with "
+        f"overlapped scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}")
+    phases = format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),
+                          "Where the ready-logits step's time goes, without overlap (ms per step)")
+    return steps + "\n\n" + phases
+
+
+SPEC = BenchmarkSpec("host-overhead", HostOverheadConfig, run_host_overhead, check_host_overhead,
+                     host_overhead_table, "",
+                     {"quick": {"model": "tiny-llama", "batch_sizes": (1, 8), "host_steps": 4, "device_ms": 5.0},
+                      "full": {}}, documented_size="full")

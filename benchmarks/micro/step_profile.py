@@ -106,7 +106,7 @@ def run_step_profile(config: StepProfileConfig) -> dict:
         engine.step()
     step_ms = (time.perf_counter() - start) / config.decode_steps * 1000
     return {"benchmark": "step-profile", "config": asdict(config), "conditions": {"threads": threads},
-            "running": running, "profiled_forwards": forwards,
+            "running": running, "profiled_forwards": forwards, "runner": "ready-logits runner",
             "unprofiled_step_ms": step_ms, "profile": call_tree(profile, config.decode_steps)}
 
 
@@ -119,7 +119,7 @@ def check_step_profile(result: dict) -> List[str]:
     problems = []
     if result["running"] != result["config"]["batch"]:
         problems.append(f"{result['running']} sequences ran, not {result['config']['batch']}")
-    if result["profiled_forwards"] != result["config"]["decode_steps"]:
+    if result.get("profiled_forwards", result["config"]["decode_steps"]) != result["config"]["decode_steps"]:
         problems.append(f"the stand-in runner ran {result['profiled_forwards']} forwards in "
                         f"{result['config']['decode_steps']} profiled steps")
     return problems
@@ -141,7 +141,8 @@ def step_profile_table(result: dict) -> str:
     tree = format_table(["called by LLMEngine.step (and what it calls)", "ms per step", "share of step"],
                         _rows(profile["calls"], total),
                         title=f"cProfile of {c['decode_steps']} decode steps, {result['running']} running sequences "
-                              f"of {c['model']}, ready-logits runner (no forward): {total:.1f} ms per profiled step, "
+                              f"of {c['model']}, {result.get('runner', 'dry runner')} (no forward): {total:.1f} ms per "
+                              f"profiled step, "
                               f"{result['unprofiled_step_ms']:.1f} ms unprofiled; calls of at least "
                               f"{SHOWN_SHARE:.0%} of the step")
     own = format_table(["function", "calls per step", "own ms per step", "with its calls, ms per step"], [

@@ -225,15 +225,22 @@ class BlockManager:
         return copies
 
     def append_decode_slots(self, seqs: List[Sequence]) -> bool:
-        """The common decode step at once: when every sequence has one token to compute, none of them writes
-        into a shared block and the new blocks they need are free, give them those blocks and return True;
+        """The common decode step at once: when every sequence has at most one token to compute, none of them
+        writes into a shared block and the new blocks they need are free, give them those blocks and return True;
         otherwise change nothing and return False (the caller takes the general path, group by group, with its
-        copy-on-write and preemption). One pass over the sequences, two integer checks each."""
+        copy-on-write and preemption). One pass over the sequences, two integer checks each. A sequence with
+        nothing to compute (its pending token is its last) counts its partly filled last block as written, as
+        `append_slots` does."""
         bs, tables, counts = self.block_size, self.block_tables, self.device.ref_counts
         growing: List[List[int]] = []
         for seq in seqs:
             table = tables[seq.seq_id]
-            index = seq.num_computed_tokens // bs   # the block its one uncomputed token is written into
+            computed = seq.num_computed_tokens
+            if seq.len_with_pending == computed:
+                if computed % bs and counts[table[computed // bs]] > 1:
+                    return False
+                continue
+            index = computed // bs   # the block its one uncomputed token is written into
             if index >= len(table):
                 if index > len(table):
                     return False

@@ -156,8 +156,9 @@ class Scheduler:
         return kept
 
     def _decode_all(self, groups: List[SequenceGroup]) -> bool:
-        """The common step: every running sequence decodes one token and their new blocks are free. Then every
-        request keeps running and its slots come from one batched call; False (nothing changed) otherwise."""
+        """The common step: every running sequence decodes one token (or has none left to compute: its pending
+        token is its last) and their new blocks are free. Then every request keeps running and its slots come
+        from one batched call; False (nothing changed) otherwise."""
         if not self.block_manager.batched_decode:
             return False
         seqs = []
@@ -167,7 +168,7 @@ class Scheduler:
                 return False
             for seq in group.seqs:
                 if seq.status is running:
-                    if seq.len_with_pending - seq.num_computed_tokens != 1:
+                    if seq.len_with_pending - seq.num_computed_tokens > 1:
                         return False
                     seqs.append(seq)
         return self.block_manager.append_decode_slots(seqs)
