@@ -136,3 +136,25 @@ def test_a_failing_row_fails_alike_and_its_neighbours_are_identical_with_overlap
         for a, b in zip(on[rid].outputs, off[rid].outputs, strict=True):
             assert (a.token_ids, a.text, a.cumulative_logprob, a.logprobs, a.finish_reason) == \
                 (b.token_ids, b.text, b.cumulative_logprob, b.logprobs, b.finish_reason), rid
+
+
+def test_aborting_every_request_while_a_step_runs_leaves_nothing_running():
+    """An abort frees the request's blocks at once; when it was the last request, the step launched ahead (all
+    in vain now) is waited for, and the engine serves the next request normally."""
+    engine = engine_with(True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("r", PROMPT, params)
+    engine.step()
+    engine.step()
+    assert engine._inflight is not None
+    (out,) = engine.abort_request("r")
+    assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 2
+    assert engine._inflight is None
+    assert_no_leaks(engine)
+    engine.add_request("again", PROMPT, params)
+    again = run_to_completion(engine, MAX_STEPS)["again"].outputs[0]
+    model, tok = get_model("tiny-llama", torch.float64)
+    alone = LLMEngine(model, tokenizer=tok, num_blocks=64, block_size=8, async_scheduling=False)
+    alone.add_request("again", PROMPT, params)
+    assert again.token_ids == run_to_completion(alone, MAX_STEPS)["again"].outputs[0].token_ids
+    assert_no_leaks(engine)

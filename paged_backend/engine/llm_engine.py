@@ -239,6 +239,8 @@ class LLMEngine:
             group = self.scheduler.abort(rid)
             if group is not None:
                 outputs.append(self._finalize(group))
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            self._drain()  # the step launched ahead ran only aborted requests: nothing runs once the engine is idle
         return outputs
 
     def has_unfinished_requests(self) -> bool:
