@@ -15,7 +15,6 @@ from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_
 from paged_backend.config import EngineConfig
 from paged_backend.engine.detokenizer import stop_string_in_candidate
 from paged_backend.errors import EngineDeadError, InvalidRequest
-from paged_backend.engine.input_builder import prepare_step
 from paged_backend.worker.loader import check_module_dtype
 from paged_backend.engine.metrics import Counters, EngineStats, cache_config_info, observe_phases
 from paged_backend.worker.model_runner import ModelRunner
@@ -26,11 +25,12 @@ from paged_backend.engine.request_intake import PromptType, RequestIntake, Valid
 from paged_backend.sampling.sampler import Sampler
 from paged_backend.sampling_params import RequestOutputKind, SamplingParams
 from paged_backend.core.scheduler import Scheduler
-from paged_backend.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from paged_backend.core.scheduler_output import ScheduledSeq
 from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 from paged_backend.worker.sizing import KVCacheSize, size_kv_cache
 from paged_backend.worker.step_inputs import Runner
-from paged_backend.engine.step_pipeline import LaunchedStep, StepResult, StepWorker
+from paged_backend.engine.step_loop import StepLoop
+from paged_backend.engine.step_pipeline import LaunchedStep, StepWorker
 from paged_backend.engine.streaming import DeltaTracker
 from paged_backend.engine.token_processor import TokenProcessor, sample_generator
 
@@ -61,8 +61,9 @@ def _max_model_len(model) -> int:
     return 2048
 
 
-class LLMEngine:
-    """The serving core: a scheduler and block manager over a paged KV cache and an HF model."""
+class LLMEngine(StepLoop):
+    """The serving core: a scheduler and block manager over a paged KV cache and an HF model; its step loop is
+    `StepLoop` (step_loop.py)."""
 
     def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
                  dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
@@ -249,112 +250,6 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()
 
-    # ---- one step ----------------------------------------------------------------------------
-    def step(self) -> List[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that moved.
-
-        With `async_scheduling` (the default) the next step is scheduled and launched before this one's results
-        are processed, so that its forward runs while they are: a call returns the outputs of one step and leaves
-        the next one running. A request that stops at a step may then have one more token computed in vain
-        (never returned; its blocks are freed at once). A step with a request whose next step depends on more
-        than its token (beam search, a first sample forking `best_of` sequences, penalties, logits processors,
-        structured outputs, min-tokens masking) is processed before anything else is scheduled.
-
-        A failure belongs to the request that caused it: an error while sampling or stopping one request
-        fails that request only; a failed forward fails the step's requests and the others go on. Only a
-        runner that cannot continue (`EngineDeadError`) fails everything, and the error is raised."""
-        if self.errored is not None:
-            raise EngineDeadError(f"the engine cannot run: {self.errored}")
-        outputs: List[RequestOutput] = []
-        current, self._inflight = self._inflight, None
-        if current is None:
-            current = self._launch(None, outputs)
-        successor = None
-        if current is not None and self._worker.threaded and current.overlappable:
-            successor = self._inflight = self._launch(current, outputs)
-        if current is not None:
-            outputs += self._collect(current, successor)
-        else:
-            self.scheduler.free_finished()
-        if successor is not None and not self.scheduler.has_unfinished():
-            self._drain()  # every row of it was computed in vain: wait for it, so nothing runs while idle
-        return outputs
-
-    def _launch(self, previous: Optional[LaunchedStep], outputs: List[RequestOutput]) -> Optional[LaunchedStep]:
-        """Schedule a step and start it (after `previous`, whose sampled tokens some of its inputs are); the
-        requests that failed to schedule go to `outputs`. None when there is nothing to run."""
-        sched = self.scheduler.schedule()
-        for group in sched.failed:
-            logger.error("request %r failed: %s", group.request_id, group.error)
-            outputs.append(self._finalize(group))
-        if not (sched.scheduled or sched.blocks_to_swap_in or sched.blocks_to_swap_out or sched.blocks_to_copy):
-            return None
-        used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
-        self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
-        inputs, fill = self._step_inputs(sched, previous)
-        if inputs.num_tokens:
-            self.counters.observe("iteration_tokens", inputs.num_tokens)
-        rows = self.tokens.launch(sched)
-        launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill)
-        launched.future = self._worker.submit(lambda: self._execute(launched, previous))
-        return launched
-
-    def _execute(self, launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
-        """The device's part of a step (in the worker thread when overlapped): fill the inputs that the previous
-        step sampled, run the forward, draw the sampled rows' tokens."""
-        if launched.fill is not None:
-            launched.fill.apply(launched.inputs.input_ids, previous.sampled_tokens())
-        logits = self.runner.execute(launched.inputs)
-        if not launched.rows.normal:
-            return StepResult(logits)
-        try:
-            # overlapped: the tokens the next step needs first; greedy log-probabilities after, off its path
-            return StepResult(logits, self.tokens.sample(launched.rows, logits, defer_logprobs=self._worker.threaded))
-        except Exception as exc:  # noqa: BLE001 - a batched sampling stage failed: the step's sampled rows fail
-            return StepResult(logits, None, exc)
-
-    def _collect(self, launched: LaunchedStep, successor: Optional[LaunchedStep]) -> List[RequestOutput]:
-        """Wait for a step, apply its tokens and report its requests."""
-        try:
-            result = launched.future.result()
-        except EngineDeadError as exc:
-            self._die(exc)
-            raise
-        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the others go on
-            outputs = self._fail_step(launched, exc, successor)
-            self.scheduler.free_finished()
-            return outputs
-        self.tokens.begin()
-        self.tokens.process(launched.sched, launched.rows, result.logits, result.batch, result.sample_error)
-        self.counters.num_steps += 1
-        if successor is not None:  # a request preempted while its last token was being sampled ends off-queue
-            for group in successor.sched.preempted:
-                if group.is_finished():
-                    self.scheduler.discard_finished(group)
-        self.scheduler.free_finished()
-        return self._outputs_of(launched.sched.scheduled)
-
-    def _step_inputs(self, sched: SchedulerOutput, previous: Optional[LaunchedStep]):
-        inputs, fill = prepare_step(sched.scheduled, self.block_manager.block_tables, self.config.cache.block_size,
-                                    previous.sample_rows() if previous is not None else None)
-        if self.device.type != "cpu":  # the kernels check CPU tables themselves; a device's are checked here, on
-            # the host, before they are sent (so a hole is never read, and the device is not waited for)
-            kernels.check_block_reads(inputs.block_tables, inputs.context_lens, inputs.query_start_loc,
-                                      self.config.cache.block_size, self.block_manager.num_blocks, self.sliding_window)
-        inputs.swap_out, inputs.swap_in, inputs.copies = (sched.blocks_to_swap_out, sched.blocks_to_swap_in,
-                                                          sched.blocks_to_copy)
-        return inputs, fill
-
-    def _drain(self) -> None:
-        """Wait for the step still running, if any, and drop its results (its requests have ended or will be
-        failed by the caller); if it failed, the blocks it registered in the prefix cache are forgotten."""
-        launched, self._inflight = self._inflight, None
-        if launched is not None:
-            try:
-                launched.future.result()
-            except BaseException:  # noqa: BLE001 - nobody waits for this step's requests any more
-                self.block_manager.unregister(launched.rows.registered)
-
     def _outputs_of(self, scheduled: List[ScheduledSeq]) -> List[RequestOutput]:
         """One output per request of the step: final (and forgotten) when it has finished or failed."""
         outputs, seen = [], set()
@@ -386,43 +281,6 @@ class LLMEngine:
         elif tracker.params.output_kind == RequestOutputKind.FINAL_ONLY:
             return None
         return tracker.update(output) if tracker.params.output_kind == RequestOutputKind.DELTA else output
-
-    # ---- failures ----------------------------------------------------------------------------
-    def _fail_step(self, launched: LaunchedStep, exc: Exception,
-                   successor: Optional[LaunchedStep] = None) -> List[RequestOutput]:
-        """The forward failed: its requests (every one running when it was scheduled, and those swapped out by
-        this step, whose blocks may be half moved) fail; waiting and earlier swapped requests are untouched.
-        The blocks it registered in the prefix cache were never computed: they are forgotten, and so are the
-        next step's (already launched, it may read them), whose requests that took one of them fail too."""
-        error = f"the model step failed: {type(exc).__name__}: {exc}"
-        swapped = set(map(id, self.scheduler.swapped))
-        victims = [g for g in launched.running if not g.is_finished() and self.groups.get(g.request_id) is g]
-        victims += [g for g in launched.sched.preempted if id(g) in swapped and self.groups.get(g.request_id) is g]
-        poisoned = {block for _, block in launched.rows.registered}
-        self.block_manager.unregister(launched.rows.registered)
-        if successor is not None:
-            self.block_manager.unregister(successor.rows.registered)
-            tables = self.block_manager.block_tables
-            chosen = set(map(id, victims))
-            for item in successor.sched.scheduled:
-                group = item.group
-                if id(group) not in chosen and self.groups.get(group.request_id) is group and \
-                        any(b in poisoned for s in group.seqs for b in tables.get(s.seq_id, ())):
-                    chosen.add(id(group))
-                    victims.append(group)
-        logger.error("step failed; failing the %d requests it ran", len(victims), exc_info=exc)
-        for group in victims:
-            self.scheduler.fail(group, error)
-        return [self._finalize(group) for group in victims]
-
-    def _die(self, exc: EngineDeadError) -> None:
-        """The runner cannot continue: every request fails and the engine takes no more."""
-        self.errored = exc
-        self._drain()
-        logger.error("the engine cannot continue: %s", exc)
-        for group in list(self.groups.values()):
-            self.scheduler.fail(group, f"the engine failed: {exc}")
-            self._finalize(group)
 
     # ---- outputs -----------------------------------------------------------------------------
     def _finalize(self, group: SequenceGroup) -> RequestOutput:
