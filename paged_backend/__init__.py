@@ -20,6 +20,7 @@ _PUBLIC: Dict[str, Union[str, Tuple[str, str]]] = {
     "AsyncLLMEngine": "paged_backend.engine.async_llm_engine",
     "EngineConfig": "paged_backend.config",
     "SamplingParams": "paged_backend.sampling_params",
+    "LoRARequest": "paged_backend.engine.lora_request",
     "RequestOutputKind": "paged_backend.sampling_params",
     "StructuredOutputsParams": "paged_backend.structured.params",
     "GuidedDecodingParams": "paged_backend.structured.params",
