@@ -78,22 +78,36 @@ def peft_model(family: str, dtype: torch.dtype, directory: str):
 
 def peft_greedy(family: str, dtype: torch.dtype, directory, prompt_ids: List[int], max_tokens: int) -> List[int]:
     """PEFT's greedy continuation (exactly `max_tokens` long), or the base model's when `directory` is None."""
+    return list(_peft_greedy(family, dtype, None if directory is None else str(directory), tuple(prompt_ids),
+                             max_tokens))
+
+
+@lru_cache(maxsize=None)
+def _peft_greedy(family: str, dtype: torch.dtype, directory, prompt_ids: Tuple[int, ...], max_tokens: int):
     model = get_model(family, dtype)[0] if directory is None else peft_model(family, dtype, str(directory))
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([list(prompt_ids)])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                          max_new_tokens=max_tokens, min_new_tokens=max_tokens)
-    return out[0, len(prompt_ids):].tolist()
+    return tuple(out[0, len(prompt_ids):].tolist())
 
 
 def peft_beams(family: str, dtype: torch.dtype, directory, prompt_ids: List[int], width: int,
                max_tokens: int, eos: int = 2) -> Tuple[List[List[int]], List[float]]:
     """PEFT's beam search (all `width` beams returned, cut after EOS) and their scores."""
+    rows, scores = _peft_beams(family, dtype, None if directory is None else str(directory), tuple(prompt_ids),
+                               width, max_tokens, eos)
+    return [list(r) for r in rows], list(scores)
+
+
+@lru_cache(maxsize=None)
+def _peft_beams(family: str, dtype: torch.dtype, directory, prompt_ids: Tuple[int, ...], width: int,
+                max_tokens: int, eos: int):
     model = get_model(family, dtype)[0] if directory is None else peft_model(family, dtype, str(directory))
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([list(prompt_ids)])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=width,
                          num_return_sequences=width, do_sample=False, max_new_tokens=max_tokens,
                          output_scores=True, return_dict_in_generate=True)
     rows = []
     for row in out.sequences[:, len(prompt_ids):].tolist():
-        rows.append(row[: row.index(eos) + 1] if eos in row else row)
-    return rows, out.sequences_scores.tolist()
+        rows.append(tuple(row[: row.index(eos) + 1] if eos in row else row))
+    return tuple(rows), tuple(out.sequences_scores.tolist())
