@@ -132,11 +132,17 @@ def _pattern_value(pattern: Mapping[str, Any], module: str, default: Any) -> Any
 def _pairs(name: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Dict[str, torch.Tensor]]:
     """module name -> {"A": tensor, "B": tensor}, from PEFT's saved keys."""
     pairs: Dict[str, Dict[str, torch.Tensor]] = {}
+    embedding = next((key for key in tensors if "lora_embedding" in key), None)
+    if embedding is not None:
+        _fail(name, f"{embedding!r} is embedding LoRA: not supported", unsupported=True)
     for key, tensor in tensors.items():
         module_key = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
         found = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", module_key)
         if found is None:
-            what = "embedding LoRA" if "lora_embedding" in key else "a tensor that is not a LoRA A/B weight"
+            if key.endswith(".base_layer.weight") or key.endswith(".weight") and ".lora_" not in key:
+                what = "a full weight of the base model saved with the adapter (PEFT's save_embedding_layers)"
+            else:
+                what = "a tensor that is not a LoRA A/B weight"
             _fail(name, f"{key!r} is {what}: not supported", unsupported=True)
         if tensor.dim() != 2 or not tensor.is_floating_point():
             _fail(name, f"{key!r} must be a 2-D float tensor, got {tuple(tensor.shape)} {tensor.dtype}")
