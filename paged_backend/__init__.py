@@ -48,6 +48,8 @@ _PUBLIC: Dict[str, Union[str, Tuple[str, str]]] = {
     "GAUGE": "paged_backend.engine.metrics_table",
     "HISTOGRAM": "paged_backend.engine.metrics_table",
     "INFO": "paged_backend.engine.metrics_table",
+    "STATE": "paged_backend.engine.metrics_table",
+    "state_value": "paged_backend.engine.metrics_table",
     "info_labels": "paged_backend.engine.metrics_table",
     "HISTOGRAM_BUCKETS": "paged_backend.engine.metrics",
     "histogram": "paged_backend.engine.metrics_table",

@@ -254,3 +254,32 @@ def test_the_async_engine_runs_requests_with_their_adapters(adapters):
     expected = [peft_greedy(FAMILY, torch.float64, None if lo is None else lo.lora_path, ids(), 6)
                 for lo in [None] + adapters]
     assert results == expected and prepared == expected[-1]
+
+
+def test_lora_requests_info_is_exported_with_vllms_labels_and_the_time_as_value(adapters):
+    """`/metrics` shows the current label set valued at the snapshot's time; Triton keeps a series per label set
+    and sets the current one to the newest time (inference gateways read the newest)."""
+    from paged_backend.adapters.http.metrics import ServerMetrics
+    from paged_backend.adapters.triton.custom_metrics import TritonEngineMetrics
+    from test_kernel_fallback import FakeTritonMetrics
+
+    eng = engine(enable_lora=True, max_loras=1, max_lora_rank=8)
+    triton = TritonEngineMetrics(FakeTritonMetrics, {"model": "m", "version": "1"})
+    eng.add_request("a", ids(), greedy(), lora_request=adapters[0])
+    eng.add_request("b", ids(), greedy(), lora_request=adapters[1])
+    eng.step()
+    busy = eng.get_stats()
+    triton.update(busy)
+    text = ServerMetrics(eng, "tiny").render().decode()
+    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="1"' in line and 'running_lora_adapters="a0"' in line and 'waiting_lora_adapters="a1"' in line
+    assert 'model_name="tiny"' in line and abs(float(line.split()[-1]) - busy.timestamp) < 1e-3
+    run_to_completion(eng)
+    idle = eng.get_stats()
+    triton.update(idle)
+    triton.update(idle)
+    series = FakeTritonMetrics.MetricFamily.families["vllm:lora_requests_info"].metrics
+    assert [(m.labels["running_lora_adapters"], m.labels["waiting_lora_adapters"]) for m in series] == [
+        ("a0", "a1"), ("", "")]
+    assert series[0].value == busy.timestamp < series[1].value == idle.timestamp
+    assert series[1].labels["model"] == "m" and series[1].labels["max_lora"] == "1"
