@@ -116,6 +116,11 @@ class AsyncLLMEngine:
         """`LLMEngine.list_loras`."""
         return self.engine.list_loras()
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether requests may name LoRA adapters (`enable_lora`)."""
+        return self.engine.lora_enabled
+
     def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
         """How many new tokens a prompt can still get (`LLMEngine.max_new_tokens`)."""
         return self.engine.max_new_tokens(prompt_len, num_branches)

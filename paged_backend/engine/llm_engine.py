@@ -465,6 +465,11 @@ class LLMEngine:
         """The ids of the adapters held on the host."""
         return self._lora_manager().list() if self.loras is not None else []
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether requests may name LoRA adapters (`enable_lora`)."""
+        return self.loras is not None
+
     def _lora_manager(self) -> LoRAManager:
         if self.loras is None:
             raise ValueError("LoRA is not enabled: build the engine with enable_lora=True")
