@@ -2,10 +2,14 @@
 every token t of adapter slot s, all slots in one call (Punica / S-LoRA's segmented gather matmul).
 
 `plan_lora(token_slots)` groups a step's tokens by slot once (stable, so each segment keeps the tokens' order);
-every LoRA-wrapped layer of the step reuses the plan. Two implementations share it:
+every LoRA-wrapped layer of the step reuses the plan. Three implementations:
+- `lora_delta_dense` (PyTorch, the CPU's default while the slots' ranks are few columns): every token against
+  every slot's A at once (the slots' A stacked, `[slots * rank, in]`), its own slot's columns kept by a
+  scaled one-hot mask (`slot_columns`), then the stacked B: two matmuls, a multiply and an add per layer
+  whatever the number of adapters (a step's Python and op count is what a CPU step pays for).
 - `lora_delta_grouped` (PyTorch, any device): per slot one gather, two small matmuls in PEFT's order
-  (`F.linear(F.linear(x, A), B) * scale`, so that float64 and float32 results equal PEFT's) and one
-  `index_add_`; a slot whose tokens are one contiguous run is read and written through a slice, no copy.
+  (`F.linear(F.linear(x, A), B) * scale`) and one `index_add_`; a slot whose tokens are one contiguous run is
+  read and written through a slice, no copy. Used when the stacked columns would outweigh the layer.
 - `lora_delta_triton` (kernels/triton_lora.py): two kernels over the sorted segments, shrink (x @ A^T into
   an fp32 buffer) and expand (times B^T and the scale, added to y), reading stacked adapter weights.
 `PAGED_BACKEND_KERNELS` chooses as for attention: Triton for CUDA tensors, PyTorch otherwise.
@@ -39,6 +43,7 @@ class LoRAPlan:
     """A step's tokens with an adapter, grouped by slot (tokens without one, slot -1, are left out)."""
 
     num_tokens: int
+    token_slots: torch.Tensor  # [T] int64 on the device: each token's slot, -1 without an adapter
     segments: List[LoRASegment]
     order: torch.Tensor        # [N] int64: token rows sorted by slot (stable)
     seg_starts: torch.Tensor   # [S + 1] int32: segment boundaries in `order`
@@ -71,7 +76,8 @@ def plan_lora(token_slots: Union[np.ndarray, torch.Tensor], device: Union[str, t
         first, last = int(order[start]), int(order[end - 1])
         rows: Rows = slice(first, last + 1) if last - first == end - start - 1 else order_t[start:end]
         segments.append(LoRASegment(int(sorted_slots[start]), start, end, rows))
-    return LoRAPlan(num_tokens=int(slots.size), segments=segments, order=order_t,
+    return LoRAPlan(num_tokens=int(slots.size), token_slots=torch.from_numpy(slots).to(device), segments=segments,
+                    order=order_t,
                     seg_starts=torch.from_numpy(starts.astype(np.int32)).to(device),
                     seg_slots=torch.from_numpy(sorted_slots[starts[:-1]].astype(np.int32)).to(device),
                     max_segment=int(np.diff(starts).max()))
@@ -96,6 +102,24 @@ def lora_delta_grouped(y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, weights
             y.index_add_(0, rows, delta)
 
 
+def slot_columns(token_slots: torch.Tensor, num_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[T, num_slots * rank]`: 1 on the `rank` columns of each token's slot, 0 elsewhere (all 0 for a token without
+    an adapter, slot -1), on `token_slots`' device."""
+    num_tokens = token_slots.shape[0]
+    columns = torch.zeros(num_tokens, num_slots, rank, dtype=dtype, device=token_slots.device)
+    rows = torch.nonzero(token_slots >= 0).flatten()
+    columns[rows, token_slots[rows].long()] = 1
+    return columns.view(num_tokens, num_slots * rank)
+
+
+def lora_delta_dense(y: torch.Tensor, x: torch.Tensor, scaled_columns: torch.Tensor, a_cat: torch.Tensor,
+                     b_cat: torch.Tensor) -> None:
+    """`y += ((x @ a_cat^T) * scaled_columns) @ b_cat^T` in place: `a_cat` `[slots * rank, in]` and `b_cat`
+    `[out, slots * rank]` are every slot's A and B side by side (zero beyond an adapter's own rank),
+    `scaled_columns` is `slot_columns` times each column's scale (0 where a slot does not target the layer)."""
+    y.add_(F.linear(F.linear(x, a_cat) * scaled_columns, b_cat))
+
+
 def lora_backend(tensor: torch.Tensor) -> str:
     """'triton' or 'torch' for the LoRA op on `tensor`, as `kernel_backend` chooses for attention (the C++
     backend's LoRA is the PyTorch one; float64 always takes PyTorch)."""
@@ -105,4 +129,5 @@ def lora_backend(tensor: torch.Tensor) -> str:
     return "triton" if backend == "triton" and tensor.dtype != torch.float64 else "torch"
 
 
-__all__ = ["LoRAPlan", "LoRASegment", "lora_backend", "lora_delta_grouped", "plan_lora"]
+__all__ = ["LoRAPlan", "LoRASegment", "lora_backend", "lora_delta_dense", "lora_delta_grouped", "plan_lora",
+           "slot_columns"]

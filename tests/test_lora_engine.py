@@ -73,6 +73,21 @@ def test_greedy_alone_and_in_one_mixed_batch_equals_peft(family, dtype, adapters
     assert tokens == [reference(family, dtype, lora, p) for p, lora in batch]
     assert len({tuple(t) for t in tokens}) == len(tokens), "an adapter that changes nothing proves nothing"
     assert {-1, 0, 1, 2} in steps, f"no step ran the base model and three adapters together: {steps}"
+    assert llm.engine.runner.lora.mode == "dense"
+    assert_no_leaks(llm.engine)
+
+
+def test_the_grouped_path_for_many_slot_columns_equals_peft(dtype, adapters_root):
+    """Slots whose stacked ranks are many columns (3 x 128) take the grouped per-adapter matmuls: same tokens."""
+    family = "tiny-llama"
+    model, tok = get_model(family, dtype)
+    loras = [None] + lora_requests(family, adapters_root)
+    ids = prompt_ids(family, dtype)
+    llm = LLM(model, tokenizer=tok, enable_lora=True, max_loras=3, max_lora_rank=128, num_blocks=64, block_size=8)
+    assert llm.engine.runner.lora.mode == "grouped"
+    batch = [(p, lora) for p in ids for lora in loras]
+    outs = llm.generate([p for p, _ in batch], greedy(), use_tqdm=False, lora_request=[lo for _, lo in batch])
+    assert [o.outputs[0].token_ids for o in outs] == [reference(family, dtype, lora, p) for p, lora in batch]
     assert_no_leaks(llm.engine)
 
 

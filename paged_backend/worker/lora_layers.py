@@ -2,9 +2,10 @@
 
 `LoRALayers` keeps `max_loras` slots of adapter weights on the device. The first adapter that targets a
 module installs a forward hook on it; during a step (`with layers.step(plan)`) the hook adds each token's
-adapter delta to the module's output (`kernels.lora`: grouped matmuls on the CPU, the Triton segmented
-kernel on a GPU). The HF modules themselves are never replaced or modified, and outside a step that has
-adapter tokens the hooks add nothing.
+adapter delta to the module's output (`kernels.lora`: on the CPU the dense masked matmuls while the slots'
+stacked ranks are few columns, else grouped matmuls per adapter; on a GPU the Triton segmented kernels). The HF
+modules themselves are never replaced or modified, and outside a step that has adapter tokens the hooks add
+nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from paged_backend.kernels.lora import LoRAPlan, lora_backend, lora_delta_grouped
+from paged_backend.kernels.lora import LoRAPlan, lora_backend, lora_delta_dense, lora_delta_grouped, slot_columns
 from paged_backend.worker.lora_checkpoint import LoRAModule, LoRAWeights, check_adapter_fits
 
 
@@ -46,42 +47,62 @@ def lora_target_shapes(model: torch.nn.Module) -> Tuple[Dict[str, Tuple[int, int
 
 
 class _Layer:
-    """One adapted module's weights per slot: exact (A, B, scale) for the grouped path, and zero-padded stacks
-    `A` `[slots, max_rank, in]`, `B` `[slots, out, max_rank]` for the Triton kernel."""
+    """One adapted module's weights for every slot, side by side: `a_cat` `[slots * max_rank, in]` and `b_cat`
+    `[out, slots * max_rank]` (zero beyond an adapter's own rank), its scales per slot and per column, and the
+    exact `(A, B, scale)` views of each slot for the grouped path."""
 
     def __init__(self, num_slots: int, max_rank: int, shape: Tuple[int, int], device: torch.device,
-                 dtype: torch.dtype, stacked: bool) -> None:
-        self.entries: List[Optional[Tuple[torch.Tensor, torch.Tensor, float]]] = [None] * num_slots
+                 dtype: torch.dtype) -> None:
+        self.num_slots, self.max_rank = num_slots, max_rank
         self.in_features, self.out_features = shape
-        self.stacked = stacked
-        if stacked:
-            self.a = torch.zeros(num_slots, max_rank, self.in_features, device=device, dtype=dtype)
-            self.b = torch.zeros(num_slots, self.out_features, max_rank, device=device, dtype=dtype)
-            self.scales = torch.zeros(num_slots, device=device, dtype=torch.float32)
+        self.a_cat = torch.zeros(num_slots * max_rank, self.in_features, device=device, dtype=dtype)
+        self.b_cat = torch.zeros(self.out_features, num_slots * max_rank, device=device, dtype=dtype)
+        self.scales = torch.zeros(num_slots, device=device, dtype=torch.float32)
+        self.column_scales = torch.zeros(num_slots * max_rank, device=device, dtype=dtype)
+        self.entries: List[Optional[Tuple[torch.Tensor, torch.Tensor, float]]] = [None] * num_slots
 
     def set(self, slot: int, lora: LoRAModule) -> None:
-        self.entries[slot] = (lora.lora_a, lora.lora_b, lora.scaling)
-        if self.stacked:
-            self.a[slot].zero_()
-            self.b[slot].zero_()
-            self.a[slot, :lora.rank] = lora.lora_a
-            self.b[slot, :, :lora.rank] = lora.lora_b
-            self.scales[slot] = lora.scaling
+        first, rank = slot * self.max_rank, lora.rank
+        columns = slice(first, first + self.max_rank)
+        self.a_cat[columns].zero_()
+        self.b_cat[:, columns].zero_()
+        self.a_cat[first:first + rank] = lora.lora_a
+        self.b_cat[:, first:first + rank] = lora.lora_b
+        self.scales[slot] = lora.scaling
+        self.column_scales[columns] = lora.scaling
+        self.entries[slot] = (self.a_cat[first:first + rank], self.b_cat[:, first:first + rank], lora.scaling)
 
     def clear(self, slot: int) -> None:
         self.entries[slot] = None
-        if self.stacked:
-            self.scales[slot] = 0.0
+        self.scales[slot] = 0.0
+        self.column_scales[slot * self.max_rank:(slot + 1) * self.max_rank] = 0.0
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan) -> None:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, mode: str,
+              columns: Optional[torch.Tensor]) -> None:
         if not any(self.entries[s.slot] is not None for s in plan.segments):
             return
-        if self.stacked:
+        if mode == "dense":
+            lora_delta_dense(y, x, columns * self.column_scales, self.a_cat, self.b_cat)
+        elif mode == "triton":
             from paged_backend.kernels.triton_lora import lora_delta_triton
 
-            lora_delta_triton(y, x, plan, self.a, self.b, self.scales)
+            a = self.a_cat.view(self.num_slots, self.max_rank, self.in_features)
+            b = self.b_cat.view(self.out_features, self.num_slots, self.max_rank).permute(1, 0, 2)
+            lora_delta_triton(y, x, plan, a, b, self.scales)
         else:
             lora_delta_grouped(y, x, plan, self.entries)
+
+
+# The dense CPU path multiplies every token by every slot's A and B: worth it (one op per layer instead of one per
+# adapter) while the slots' columns are few next to the layer's width; above this, the grouped path.
+DENSE_MAX_COLUMNS = 256
+
+
+def lora_mode(probe: torch.Tensor, max_loras: int, max_lora_rank: int) -> str:
+    """'triton' (CUDA, or forced), 'dense' or 'grouped' for adapters of these slots on `probe`'s device/dtype."""
+    if lora_backend(probe) == "triton":
+        return "triton"
+    return "dense" if max_loras * max_lora_rank <= DENSE_MAX_COLUMNS else "grouped"
 
 
 def _remove_all(handles: list) -> None:
@@ -112,7 +133,8 @@ class LoRALayers:
         self.device, self.dtype = param.device, param.dtype
         self.shapes, self.skipped = lora_target_shapes(model)
         self._modules = dict(model.named_modules())
-        self._stacked = lora_backend(torch.empty(0, device=self.device, dtype=self.dtype)) == "triton"
+        self.mode = lora_mode(torch.empty(0, device=self.device, dtype=self.dtype), max_loras, max_lora_rank)
+        self._columns: Optional[torch.Tensor] = None
         self._layers: Dict[str, _Layer] = {}
         self._hooks: list = []
         weakref.finalize(self, _remove_all, self._hooks)   # a dropped runner leaves no hooks behind
@@ -143,8 +165,7 @@ class LoRALayers:
     def _layer(self, name: str) -> _Layer:
         layer = self._layers.get(name)
         if layer is None:
-            layer = _Layer(self.max_loras, self.max_lora_rank, self.shapes[name], self.device, self.dtype,
-                           self._stacked)
+            layer = _Layer(self.max_loras, self.max_lora_rank, self.shapes[name], self.device, self.dtype)
             self._layers[name] = layer
             handle = self._modules[name].register_forward_hook(_hook(weakref.ref(self), name))
             self._hooks.append(handle)
@@ -160,16 +181,19 @@ class LoRALayers:
         if rows != plan.num_tokens or output.shape[-1] != layer.out_features:
             raise ValueError(f"LoRA on {name!r}: the module ran on {rows} rows but the step has "
                              f"{plan.num_tokens} tokens; adapters can target only layers that see every token")
-        layer.apply(output.view(-1, layer.out_features), x.reshape(-1, layer.in_features), plan)
+        layer.apply(output.view(-1, layer.out_features), x.reshape(-1, layer.in_features), plan, self.mode,
+                    self._columns)
 
     @contextlib.contextmanager
     def step(self, plan: Optional[LoRAPlan]) -> Iterator[None]:
         """Apply the adapters of `plan`'s tokens during the forward inside this block."""
         self._plan = plan
+        if plan is not None and self.mode == "dense":
+            self._columns = slot_columns(plan.token_slots, self.max_loras, self.max_lora_rank, self.dtype)
         try:
             yield
         finally:
-            self._plan = None
+            self._plan = self._columns = None
 
     def remove(self) -> None:
         """Take the hooks off the model (the runner is done with it)."""
