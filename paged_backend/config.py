@@ -123,6 +123,34 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
 
 
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters chosen per request (vLLM's names): `max_loras` adapters on the device at once (the
+    adapters of one step), `max_cpu_loras` kept loaded on the host (default `max_loras`), ranks up to
+    `max_lora_rank`."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model itself."""
@@ -130,13 +158,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     seed: int = 0
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from the flat keyword names that `LLM(...)` and the CLIs use; unknown names raise."""
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig, "lora": LoRAConfig}
         values: dict = {name: {} for name in parts}
         seed = kwargs.pop("seed", 0)
         max_logprobs = kwargs.pop("max_logprobs", 20)
@@ -154,5 +183,5 @@ class EngineConfig:
 
 ENGINE_OPTION_NAMES = tuple(
     sorted(set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
-           | set(ParallelConfig.__dataclass_fields__) | {"seed", "max_logprobs"})
+           | set(ParallelConfig.__dataclass_fields__) | set(LoRAConfig.__dataclass_fields__) | {"seed", "max_logprobs"})
 )

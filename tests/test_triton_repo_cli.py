@@ -33,6 +33,10 @@ NON_DEFAULT = {
     "enable_prefix_caching": ["--no-enable-prefix-caching"],
     "tensor_parallel_size": ["--tensor-parallel-size", "2", "--kind", "KIND_MODEL"],
     "seed": ["--seed", "5"],
+    "enable_lora": ["--enable-lora"],
+    "max_loras": ["--enable-lora", "--max-loras", "3"],
+    "max_lora_rank": ["--enable-lora", "--max-lora-rank", "64"],
+    "max_cpu_loras": ["--enable-lora", "--max-cpu-loras", "5"],
 }
 KIND_NAMES = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_MODEL": "MODEL"}
 

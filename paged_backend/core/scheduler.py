@@ -41,9 +41,10 @@ def common_prefix_len(seqs: List[Sequence]) -> int:
 class Scheduler:
     """Waiting, running and swapped queues of whole requests over one block manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: Optional[int] = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.max_loras = max_loras  # LoRA adapters that may run at once (the device's slots); None: no adapters
         self.waiting: Deque[SequenceGroup] = deque()
         self.running: List[SequenceGroup] = []
         self.swapped: List[SequenceGroup] = []
@@ -117,7 +118,7 @@ class Scheduler:
         kept = self._keep_running(out)
         budget.seqs = sum(g.max_num_running_seqs() for g in kept)
         if not out.preempted:
-            kept += self._swap_in(out, budget)
+            kept += self._swap_in(out, budget, {g.lora_int_id for g in kept})
         self.running = kept
         self._schedule_tokens(kept, out, budget)
         if not out.preempted and not self.swapped:
@@ -218,14 +219,18 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(group)
 
-    def _swap_in(self, out: SchedulerOutput, budget: _Budget) -> List[SequenceGroup]:
+    def _swap_in(self, out: SchedulerOutput, budget: _Budget, adapters: set) -> List[SequenceGroup]:
         """Bring swapped requests back in arrival order while blocks and the sequence budget allow;
         a request that could not come back even to an empty cache fails."""
         self.swapped.sort(key=lambda g: g.metrics.arrival_time)
         back: List[SequenceGroup] = []
         bm = self.block_manager
+        deferred: List[SequenceGroup] = []
         while self.swapped:
             group = self.swapped[0]
+            if not self._adapter_fits(group, adapters):
+                deferred.append(self.swapped.pop(0))
+                continue
             status = bm.can_swap_in(group, out.blocks_to_swap_in)
             if status == AllocStatus.NEVER:
                 self.swapped.pop(0)
@@ -242,6 +247,8 @@ class Scheduler:
             self._append_slots(group, out)
             budget.seqs += group.max_num_running_seqs()
             back.append(group)
+            adapters.add(group.lora_int_id)
+        self.swapped[:0] = deferred
         return back
 
     @staticmethod
@@ -292,8 +299,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         bm = self.block_manager
+        adapters = self._running_adapters()
+        deferred: List[SequenceGroup] = []
         while self.waiting and budget.tokens > 0:
             group = self.waiting[0]
+            if not self._adapter_fits(group, adapters):
+                deferred.append(self.waiting.popleft())   # it waits for a slot; later requests may go first
+                continue
             status = bm.can_allocate(group)
             if status == AllocStatus.NEVER:
                 self.waiting.popleft()
@@ -314,7 +326,21 @@ class Scheduler:
             self._append_slots(group, out)
             budget.seqs += group.max_num_running_seqs()
             self.running.append(group)
+            adapters.add(group.lora_int_id)
             self._schedule_chunks(group, out, budget)
+        self.waiting.extendleft(reversed(deferred))
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def _running_adapters(self) -> set:
+        """The adapter ids of the running requests (0, the base model, included when present)."""
+        return {g.lora_int_id for g in self.running}
+
+    def _adapter_fits(self, group: SequenceGroup, adapters: set) -> bool:
+        """A request may run with the running ones unless it brings one adapter too many (`max_loras`)."""
+        lora_id = group.lora_int_id
+        if lora_id == 0 or lora_id in adapters or self.max_loras is None:
+            return True
+        return len(adapters - {0}) < self.max_loras
 
     def _fail_unschedulable_head(self, out: SchedulerOutput) -> None:
         """Nothing runs and nothing could be scheduled: the head request would wait forever for a cache

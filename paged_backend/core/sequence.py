@@ -38,7 +38,8 @@ class Sequence:
     a prompt chunk, a recomputation after preemption and a decode step are the same thing here.
     """
 
-    def __init__(self, prompt_token_ids: List[int], seq_id: Optional[int] = None) -> None:
+    def __init__(self, prompt_token_ids: List[int], seq_id: Optional[int] = None,
+                 cache_salt: Optional[bytes] = None) -> None:
         self.seq_id = next(_seq_counter) if seq_id is None else seq_id
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: List[int] = list(prompt_token_ids)
@@ -60,6 +61,7 @@ class Sequence:
         self.detok_started = False
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []
+        self.cache_salt = cache_salt  # the first block's hash starts from it (a LoRA adapter, a salt): no sharing across
         self.generator: Any = None  # this sequence's own RNG when the request has a seed (set by the engine)
         self.grammar: Any = None    # its structured-output matcher state (structured_matcher.GrammarState)
 
@@ -124,6 +126,7 @@ class Sequence:
         child.detok_started = self.detok_started
         child.stop_reason = self.stop_reason
         child.block_hashes = list(self.block_hashes)
+        child.cache_salt = self.cache_salt
         child.generator = None
         child.grammar = None if self.grammar is None else self.grammar.fork()
         return child
@@ -149,7 +152,8 @@ class SequenceGroup:
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
                  sampling_params: SamplingParams, arrival_time: Optional[float] = None,
-                 eos_token_ids: Optional[List[int]] = None) -> None:
+                 eos_token_ids: Optional[List[int]] = None, lora_request: Any = None,
+                 cache_salt: Optional[bytes] = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -157,7 +161,8 @@ class SequenceGroup:
         # the tokens that end this request's sequences: EOS unless ignored, then its stop_token_ids
         self.stop_ids: Tuple[int, ...] = ((() if sampling_params.ignore_eos else tuple(eos_token_ids or ()))
                                           + tuple(sampling_params.stop_token_ids))
-        self.seqs: List[Sequence] = [Sequence(self.prompt_token_ids)]
+        self.lora_request = lora_request   # the request's LoRA adapter (engine.lora_request.LoRARequest) or None
+        self.seqs: List[Sequence] = [Sequence(self.prompt_token_ids, cache_salt=cache_salt)]
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.branched = False       # the prompt's first sample has been forked into best_of / beam_width seqs
         self.beam_state: Any = None  # finished hypotheses of a beam search (set by the engine)
@@ -167,6 +172,11 @@ class SequenceGroup:
         self.error: Optional[str] = None
         self.num_preemptions = 0
         self.sampling_plan: Any = None  # what the engine works out once about sampling its rows (token_processor)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
         if status is None:

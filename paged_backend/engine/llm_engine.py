@@ -15,8 +15,11 @@ from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_
 from paged_backend.config import EngineConfig
 from paged_backend.engine.detokenizer import stop_string_in_candidate
 from paged_backend.errors import EngineDeadError, InvalidRequest
+from paged_backend.engine.lora_manager import LoRAManager
+from paged_backend.engine.lora_request import LoRARequest
 from paged_backend.worker.loader import check_module_dtype
 from paged_backend.engine.metrics import Counters, EngineStats, cache_config_info, observe_phases
+from paged_backend.worker.lora_layers import LoRALayers
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.model_support import check_model_supported, uniform_window
 from paged_backend.engine.output_builder import OutputBuilder
@@ -90,7 +93,9 @@ class LLMEngine(StepLoop):
         self.sliding_window = uniform_window(self.model)  # every layer windowed: blocks behind it are released
         self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
                                           cache.watermark, cache.enable_prefix_caching, self.sliding_window)
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.loras = self._make_lora_manager()
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager,
+                                   self.config.lora.max_loras if self.loras is not None else None)
         self.runner = self._make_runner()
         self.kernels = kernels.kernels_in_use(self.device)  # which implementation runs each op (metrics, info)
         self.sampler = Sampler(self.config.seed)
@@ -100,7 +105,7 @@ class LLMEngine(StepLoop):
         self.errored: Optional[EngineDeadError] = None  # set when the engine cannot run another step
         self._deltas: Dict[str, DeltaTracker] = {}       # requests that want delta / final-only outputs
         self.intake = RequestIntake(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
-                                    self.config, self.block_manager, self.sliding_window)
+                                    self.config, self.block_manager, self.sliding_window, self.loras)
         self._cache_info = cache_config_info(self.config.cache, self.kv_size, self.sliding_window)
         self.tokens = TokenProcessor(self.block_manager, self.sampler, self.tokenizer,
                                      self.counters, self.eos_token_ids, self.max_model_len)
@@ -125,6 +130,15 @@ class LLMEngine(StepLoop):
             raise ValueError(f"max_model_len={wanted} exceeds the model's context of {limit} tokens")
         return wanted or limit
 
+    def _make_lora_manager(self) -> Optional[LoRAManager]:
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported: LoRA adapters run on a "
+                             "single device")
+        return LoRAManager(lora, self.model)
+
     def _make_runner(self) -> Runner:
         tp = self.config.parallel.tensor_parallel_size
         if tp > 1:
@@ -137,7 +151,9 @@ class LLMEngine(StepLoop):
         cache = CacheEngine(self.geometry, self.config.cache.block_size, self.kv_size.num_blocks,
                             self.kv_size.num_swap_blocks,
                             kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype), self.device)
-        return ModelRunner(self.model, cache)
+        lora = self.config.lora
+        layers = LoRALayers(self.model, lora.max_loras, lora.max_lora_rank) if self.loras is not None else None
+        return ModelRunner(self.model, cache, layers)
 
     # ---- requests ----------------------------------------------------------------------------
     @property
@@ -155,16 +171,20 @@ class LLMEngine(StepLoop):
         names a token in its logprobs."""
         return "" if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def prepare_requests(self, prompts: Seq[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
-        """Check requests once and do their preparation (tokenizing, token constraints, grammar compilation):
-        one `ValidatedRequest` per prompt, all with `params`, to pass to `add_request`; an `InvalidRequest`
-        saying why the engine would refuse them. Reads only configuration: safe while a step runs in another
-        thread, so servers call it off their event loop."""
-        return self.intake.validate(prompts, params)
+    def prepare_requests(self, prompts: Seq[PromptType], params: SamplingParams,
+                         lora_request: Optional[LoRARequest] = None,
+                         cache_salt: Optional[str] = None) -> List[ValidatedRequest]:
+        """Check requests once and do their preparation (tokenizing, token constraints, grammar compilation,
+        reading the LoRA adapter): one `ValidatedRequest` per prompt, all with `params`, to pass to
+        `add_request`; an `InvalidRequest` saying why the engine would refuse them. `cache_salt` (vLLM's) keeps
+        the requests' KV apart from others' in the prefix cache. Reads only configuration: safe while a step
+        runs in another thread, so servers call it off their event loop."""
+        return self.intake.validate(prompts, params, lora_request, cache_salt)
 
-    def prepare_request(self, prompt: PromptType, params: SamplingParams) -> ValidatedRequest:
+    def prepare_request(self, prompt: PromptType, params: SamplingParams, lora_request: Optional[LoRARequest] = None,
+                        cache_salt: Optional[str] = None) -> ValidatedRequest:
         """`prepare_requests` for one prompt."""
-        return self.intake.validate([prompt], params)[0]
+        return self.intake.validate([prompt], params, lora_request, cache_salt)[0]
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
         """Token ids of a prompt, or an `InvalidRequest` saying why the engine would refuse the request.
@@ -188,24 +208,28 @@ class LLMEngine(StepLoop):
         return self.intake.fit_request(request, default, param)
 
     def add_request(self, request_id: str, prompt: Union[PromptType, ValidatedRequest],
-                    params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None) -> None:
-        """Queue a request: a prompt and its params (checked here), or a `ValidatedRequest` from
-        `prepare_request` (queued as it is); raises ValueError for bad input or a prompt that can never fit."""
+                    params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
+        """Queue a request: a prompt and its params (checked here) and LoRA adapter, or a `ValidatedRequest`
+        from `prepare_request` (queued as it is); raises ValueError for bad input, an adapter that cannot be
+        loaded or a prompt that can never fit."""
         if self.errored is not None:
             raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if isinstance(prompt, ValidatedRequest):
-            if params is not None:
-                raise InvalidRequest("a prepared request carries its own params; pass params=None", param="params")
+            if params is not None or lora_request is not None:
+                raise InvalidRequest("a prepared request carries its own params and lora_request; pass neither",
+                                     param="params" if params is not None else "lora_request")
             request = prompt
         else:
-            request = self.prepare_request(prompt, SamplingParams() if params is None else params)
+            request = self.prepare_request(prompt, SamplingParams() if params is None else params, lora_request)
         self._queue(request_id, request, arrival_time)
 
     def _queue(self, request_id: str, request: ValidatedRequest, arrival_time: Optional[float]) -> None:
         params, ids = request.engine_params(), request.prompt_token_ids
-        group = SequenceGroup(request_id, request.prompt, ids, params, arrival_time, self.eos_token_ids)
+        group = SequenceGroup(request_id, request.prompt, ids, params, arrival_time, self.eos_token_ids,
+                              lora_request=request.lora_request, cache_salt=request.cache_key())
         group.seqs[0].max_len = self._max_length(group)
         if params.seed is not None:
             group.seqs[0].generator = sample_generator(params.seed, 0)
@@ -347,7 +371,40 @@ class LLMEngine(StepLoop):
             num_requests_aborted=self.counters.num_requests_aborted,
             swap_usage=1.0 - bm.get_num_free_swap_blocks() / bm.num_swap_blocks if bm.num_swap_blocks else 0.0,
             finish_reasons=dict(self.counters.finish_reasons),
-            histograms=self.counters.histogram_snapshots(), cache_config=self._cache_info)
+            histograms=self.counters.histogram_snapshots(), cache_config=self._cache_info,
+            lora_info=self._lora_info(), num_lora_loads=self.loras.num_slot_loads if self.loras is not None else 0,
+            timestamp=time.time())
+
+    def _lora_info(self) -> Dict[str, str]:
+        """vLLM's `lora_requests_info` labels: the slots, and the adapters of running and of waiting requests."""
+        sch = self.scheduler
+        names = LoRAManager.adapter_names
+        return {"max_lora": str(self.config.lora.max_loras if self.loras is not None else 0),
+                "running_lora_adapters": names(sch.running),
+                "waiting_lora_adapters": names(list(sch.waiting) + list(sch.swapped))}
+
+    # ---- LoRA adapters (vLLM's names) --------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests; False if it was loaded already."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests still running with it read it again if they need it)."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> List[int]:
+        """The ids of the adapters held on the host."""
+        return self._lora_manager().list() if self.loras is not None else []
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether requests may name LoRA adapters (`enable_lora`)."""
+        return self.loras is not None
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled: build the engine with enable_lora=True")
+        return self.loras
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""

@@ -5,7 +5,7 @@ collecting the current one. Failures of a step belong to its requests; a runner 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from paged_backend import kernels
 from paged_backend.core.scheduler_output import SchedulerOutput
@@ -58,6 +58,7 @@ class StepLoop:
         """Schedule a step and start it (after `previous`, whose sampled tokens some of its inputs are); the
         requests that failed to schedule go to `outputs`. None when there is nothing to run."""
         sched = self.scheduler.schedule()
+        lora_slots = self._assign_lora_slots(sched) if self.loras is not None else None
         for group in sched.failed:
             logger.error("request %r failed: %s", group.request_id, group.error)
             outputs.append(self._finalize(group))
@@ -65,11 +66,12 @@ class StepLoop:
             return None
         used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
         self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
-        inputs, fill = self._step_inputs(sched, previous)
+        inputs, fill = self._step_inputs(sched, previous, lora_slots)
         if inputs.num_tokens:
             self.counters.observe("iteration_tokens", inputs.num_tokens)
         rows = self.tokens.launch(sched)
-        launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill)
+        launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill,
+                                lora_slot_of=lora_slots[0] if lora_slots is not None else {})
         launched.future = self._worker.submit(lambda: self._execute(launched, previous))
         return launched
 
@@ -108,7 +110,7 @@ class StepLoop:
         self.scheduler.free_finished()
         return self._outputs_of(launched.sched.scheduled)
 
-    def _step_inputs(self: "LLMEngine", sched: SchedulerOutput, previous: Optional[LaunchedStep]):
+    def _step_inputs(self: "LLMEngine", sched: SchedulerOutput, previous: Optional[LaunchedStep], lora_slots):
         inputs, fill = prepare_step(sched.scheduled, self.block_manager.block_tables, self.config.cache.block_size,
                                     previous.sample_rows() if previous is not None else None)
         if self.device.type != "cpu":  # the kernels check CPU tables themselves; a device's are checked here, on
@@ -117,7 +119,20 @@ class StepLoop:
                                       self.config.cache.block_size, self.block_manager.num_blocks, self.sliding_window)
         inputs.swap_out, inputs.swap_in, inputs.copies = (sched.blocks_to_swap_out, sched.blocks_to_swap_in,
                                                           sched.blocks_to_copy)
+        if lora_slots is not None:
+            inputs.lora = self.loras.step_inputs(sched.scheduled, *lora_slots)
         return inputs, fill
+
+    def _assign_lora_slots(self: "LLMEngine", sched: SchedulerOutput) -> Tuple[Dict[int, int], Dict[int, object]]:
+        """Device slots for the step's adapters (lora_int_id -> slot, slot -> weights to load); requests whose
+        adapter cannot be loaded any more fail here and leave the step (into `sched.failed`)."""
+        slot_of, loads, failed = self.loras.assign_slots(sched.scheduled)
+        for group, why in failed.items():
+            self.scheduler.fail(group, why)
+        if failed:
+            sched.scheduled = [item for item in sched.scheduled if item.group not in failed]
+            sched.failed = sched.failed + list(failed)
+        return slot_of, loads
 
     def _drain(self: "LLMEngine") -> None:
         """Wait for the step still running, if any, and drop its results (its requests have ended or will be
@@ -142,14 +157,18 @@ class StepLoop:
         victims += [g for g in launched.sched.preempted if id(g) in swapped and self.groups.get(g.request_id) is g]
         poisoned = {block for _, block in launched.rows.registered}
         self.block_manager.unregister(launched.rows.registered)
+        if self.loras is not None:
+            self.loras.forget_slots()   # the runner may have filled some of the step's slots, or none
         if successor is not None:
             self.block_manager.unregister(successor.rows.registered)
             tables = self.block_manager.block_tables
+            unloaded = launched.loaded_slots() - successor.loaded_slots()   # the successor counted on these
             chosen = set(map(id, victims))
             for item in successor.sched.scheduled:
                 group = item.group
-                if id(group) not in chosen and self.groups.get(group.request_id) is group and \
-                        any(b in poisoned for s in group.seqs for b in tables.get(s.seq_id, ())):
+                if id(group) not in chosen and self.groups.get(group.request_id) is group and (
+                        any(b in poisoned for s in group.seqs for b in tables.get(s.seq_id, ()))
+                        or successor.lora_slot(group) in unloaded):
                     chosen.add(id(group))
                     victims.append(group)
         logger.error("step failed; failing the %d requests it ran", len(victims), exc_info=exc)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -43,6 +43,7 @@ class LaunchedStep:
     running: List[SequenceGroup]
     inputs: StepInputs
     fill: Optional[TokenFill] = None
+    lora_slot_of: Dict[int, int] = field(default_factory=dict)   # lora_int_id -> the device slot it runs in
     future: Optional[concurrent.futures.Future] = None
     _rows_of: Optional[Dict[int, int]] = field(default=None, repr=False)
 
@@ -50,6 +51,15 @@ class LaunchedStep:
     def overlappable(self) -> bool:
         """The next step may be scheduled before this one is processed."""
         return not self.rows.needs_processing
+
+    def loaded_slots(self) -> Set[int]:
+        """The LoRA slots this step loads before its forward."""
+        return set(self.inputs.lora.loads) if self.inputs.lora is not None else set()
+
+    def lora_slot(self, group: SequenceGroup) -> Optional[int]:
+        """The device slot of a request's adapter in this step (None: the base model)."""
+        request = group.lora_request
+        return None if request is None else self.lora_slot_of.get(request.lora_int_id)
 
     def sample_rows(self) -> Dict[int, int]:
         """Sequence id -> its row among this step's sampled tokens (where the next step's inputs come from)."""
