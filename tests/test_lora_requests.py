@@ -283,3 +283,61 @@ def test_lora_requests_info_is_exported_with_vllms_labels_and_the_time_as_value(
         ("a0", "a1"), ("", "")]
     assert series[0].value == busy.timestamp < series[1].value == idle.timestamp
     assert series[1].labels["model"] == "m" and series[1].labels["max_lora"] == "1"
+
+
+class FailsBeforeItsFirstSlotLoad:
+    """Wraps a runner: the first step that is to load an adapter slot fails before loading it."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.failed = False
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, inputs):
+        if not self.failed and inputs.lora is not None and inputs.lora.loads:
+            self.failed = True
+            raise RuntimeError("injected: the step failed before its adapter slots were loaded")
+        return self.runner.execute(inputs)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_step_that_failed_before_loading_an_adapter_never_leaves_a_request_on_an_empty_slot(adapters, overlap):
+    """With overlapped scheduling the step after a failed one is launched counting on the slots the failed step
+    was to load: a request of that step with such an adapter fails with the step's error rather than run on an
+    empty slot; a later request of the same adapter has it loaded again and gets the adapter's tokens."""
+    params = greedy(5)
+
+    def alone(lora):
+        eng = engine(enable_lora=True, max_loras=2, max_lora_rank=8)
+        eng.add_request("alone", ids(), params, lora_request=lora)
+        return run_to_completion(eng)["alone"].outputs[0].token_ids
+
+    eng = engine(enable_lora=True, max_loras=2, max_lora_rank=8, async_scheduling=overlap)
+    eng.runner = FailsBeforeItsFirstSlotLoad(eng.runner)
+    finals = {}
+
+    def step():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+
+    eng.add_request("base", ids(), greedy(12))
+    step()
+    eng.add_request("loads", ids(), params, lora_request=adapters[0])   # its step fails before the load
+    step()
+    eng.add_request("counts-on-it", ids(), params, lora_request=adapters[0])
+    finals.update(run_to_completion(eng))
+    eng.add_request("later", ids(), params, lora_request=adapters[0])
+    finals.update(run_to_completion(eng))
+    assert eng.runner.failed
+    assert "injected" in finals["loads"].error
+    expected = alone(adapters[0])
+    assert expected != alone(None)   # the adapter changes the tokens, so an empty slot would show
+    counted = finals["counts-on-it"]
+    assert counted.error is not None or counted.outputs[0].token_ids == expected
+    if not overlap:
+        assert counted.error is None
+    assert finals["later"].error is None and finals["later"].outputs[0].token_ids == expected
+    assert_no_leaks(eng)
