@@ -584,3 +584,13 @@ def test_a_record_takes_the_conditions_at_the_start_of_the_run_and_at_its_end(tm
     c = result["conditions"]
     assert c["machine"]["load_average_1_5_15"] == [1.0, 1.0, 1.0] and seen["load"] == [2.0, 2.0, 2.0]
     assert c["load_average_after"] == [3.0, 3.0, 3.0] and c["threads"] == 1 and c["time"] <= c["finished"]
+
+
+def test_quick_lora_study(tmp_path):
+    result = _bench("lora", tmp_path)
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == {"base", "lora-4", "lora-4-one-slot"}
+    assert rows["base"]["ratio"]["median"] == 1.0 and rows["lora-4"]["ratio"]["median"] > 0
+    assert all(r["slot_loads"]["min"] >= result["config"]["num_adapters"] for s, r in rows.items() if s != "base")
+    swap = result["swap_in"]
+    assert swap["adapter_mib"] > 0 and swap["disk_read_ms"] > 0 and swap["slot_load_ms"] > 0

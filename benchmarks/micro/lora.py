@@ -217,7 +217,7 @@ def check_lora(result: dict) -> List[str]:
 
 # Quick: a smoke test (tiny-llama, rank 4). Anchor: the throughput benchmark's anchor workload, 2 threads.
 QUICK = {"model": "tiny-llama", "num_requests": 8, "max_prompt_len": 32, "max_output_len": 12, "kv_slots": 256,
-         "rank": 4, "repetitions": 2, "swap_samples": 3, "threads": 1}
+         "rank": 4, "repetitions": 1, "swap_samples": 2, "threads": 1}
 ANCHOR = {"threads": 2}
 SIZES = {"quick": QUICK, "anchor": ANCHOR}
 SPEC = BenchmarkSpec("lora", LoRABenchConfig, run_lora, check_lora, lora_table, "", SIZES, documented_size="anchor",
