@@ -37,6 +37,7 @@ NON_DEFAULT = {
     "max_loras": ["--enable-lora", "--max-loras", "3"],
     "max_lora_rank": ["--enable-lora", "--max-lora-rank", "64"],
     "max_cpu_loras": ["--enable-lora", "--max-cpu-loras", "5"],
+    "async_scheduling": ["--no-async-scheduling"],
 }
 KIND_NAMES = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_MODEL": "MODEL"}
 

@@ -50,6 +50,8 @@ def _plain_backend(tokenizer):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:
         return None
+    if not isinstance(tokenizer, TokenizersBackend):   # a wrapper or another class: its own decode is the truth
+        return None
     kind = type(tokenizer)
     if kind.decode is not PreTrainedTokenizerBase.decode or kind._decode is not TokenizersBackend._decode:
         return None
