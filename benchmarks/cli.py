@@ -1,8 +1,9 @@
 """`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, structured, or all) or
-a study (recompute-policies, busy-threads, step-profile, compiled-decode) at a named size, print its table, write NAME.json (and
-NAME.png) under RESULTS/NAME/. `--documented` runs it at the size docs/benchmarks.md documents, records it
-(benchmarks: docs/img/bench-NAME.json beside the plot; studies: docs/measurements/NAME.json) and regenerates the
-doc; `bench docs` regenerates docs/benchmarks.md and its plots from the recorded JSON alone."""
+a study (recompute-policies, busy-threads, step-profile, host-overhead, lora, compiled-decode) at a named size,
+print its table, write NAME.json (and NAME.png) under RESULTS/NAME/. `--documented` runs it at the size
+docs/benchmarks.md documents, records it (benchmarks: docs/img/bench-NAME.json beside the plot; studies:
+docs/measurements/NAME.json) and regenerates the doc; `bench docs` regenerates docs/benchmarks.md and its plots
+from the recorded JSON alone."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 from paged_backend.benchmarks.harness.provenance import REPO_ROOT, dirty_refusal, git_state, pinned_git_state
 
 BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")   # `all`, one commit
-STUDIES = ("recompute-policies", "busy-threads", "step-profile", "compiled-decode")   # side studies, each
-# recorded on its own
+STUDIES = ("recompute-policies", "busy-threads", "step-profile", "host-overhead", "lora",
+           "compiled-decode")   # side studies, each recorded on its own
 PAPER = ("waste", "throughput", "sharing", "serving")   # benchmarks/paper/; the others are in benchmarks/micro/
 DOCS_DIR = REPO_ROOT / "docs"
 
@@ -75,6 +76,8 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--decode-steps": ("decode_steps", int, "overhead: decode steps averaged per batch size; step-profile: steps "
                                             "profiled; compiled-decode: decode steps per repetition"),
     "--batch": ("batch", int, "step-profile: running sequences"),
+    "--host-steps": ("host_steps", int, "overhead, host-overhead: decode steps timed per stand-in measurement"),
+    "--device-ms": ("device_ms", float, "overhead, host-overhead: the sleeping stand-in runner's ms per forward"),
     "--seconds": ("seconds", float, "busy-threads: seconds of streaming per server and wait policy"),
 }
 
@@ -82,9 +85,8 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="reproduce the paper's measurements (waste, throughput, sharing, serving, "
                                          "overhead; structured: the cost of a JSON schema; all; the studies "
-                                         "recompute-policies, busy-threads, step-profile, compiled-decode; docs "
-                                         "regenerates "
-                                         "docs/benchmarks.md)", description=__doc__)
+                                         "recompute-policies, busy-threads, step-profile, host-overhead, lora, "
+                                         "compiled-decode; docs regenerates docs/benchmarks.md)", description=__doc__)
     p.add_argument("benchmark", choices=BENCHMARKS + STUDIES + ("all", "docs"))
     p.add_argument("--size", default=None, help="a named size: quick, full (waste/sharing/overhead), anchor "
                                                 "(throughput/serving); default: the documented one")

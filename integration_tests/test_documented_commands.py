@@ -60,6 +60,8 @@ SMALL: List[Tuple[str, str]] = [
     (r"(?<!\S)/opt/tritonserver/backends(?!\S)", "{tmp}/backends"),
     (r"--kv-cache-memory 1GiB\b", "--kv-cache-memory 16MiB"),
     (r"\$\(which paged-backend\)", "{bin}/paged-backend"),
+    (r"/adapters/sql-lora\b", "{adapter_dir}"),
+    (r"(?<!\S)lora-repo/(?!\S)", "{tmp}/lora_repository"),
 ]
 TRITON_PORTS = " --http-port {port} --grpc-port {port} --metrics-port {port}"
 SERVE = ("paged-backend serve DIR --host 127.0.0.1 --port 8000 --api-key KEY --max-num-seqs 8 --num-blocks 192 "
@@ -91,6 +93,9 @@ COMMANDS: Dict[str, Run] = {
     "paged-backend serve DIR --num-blocks 192 --block-size 16": Run("http", SERVE),
     "paged-backend serve path/to/hf-model --device cuda --dtype bfloat16 --tensor-parallel-size 4": Run("http", SERVE),
     "paged-backend serve --help": Run("exit"),
+    "paged-backend serve smollm2 --enable-lora --max-loras 4 --lora-modules sql-lora=/adapters/sql-lora": Run(
+        "http", "paged-backend serve DIR --host 127.0.0.1 --port 8000 --num-blocks 192 --enable-lora --max-loras 4 "
+                "--max-lora-rank 8 --lora-modules sql-lora=/adapters/sql-lora"),
     "torchrun --standalone --nproc-per-node 4 $(which paged-backend) serve /models/llama --device cuda --dtype "
     "bfloat16 --tensor-parallel-size 4 --port 8000": Run(
         "http", "torchrun --standalone --nproc-per-node 2 $(which paged-backend) serve /models/llama --device cuda "
@@ -111,6 +116,10 @@ COMMANDS: Dict[str, Run] = {
     "--max-num-seqs 64 --enable-prefix-caching [--instance-count 2] [--kind KIND_GPU]": Run(
         "exit", "paged-backend triton-repo ./model_repository --model smollm2 --name paged_llm --kv-cache-memory 1GiB "
                 "--max-num-seqs 64 --enable-prefix-caching --instance-count 1 --kind KIND_CPU"),
+    "paged-backend triton-repo lora-repo/ --model smollm2 --enable-lora --max-loras 2 --lora-modules "
+    "sql-lora=/adapters/sql-lora": Run(
+        "exit", "paged-backend triton-repo lora-repo/ --model smollm2 --kv-cache-memory 16MiB --enable-lora "
+                "--max-loras 2 --max-lora-rank 8 --lora-modules sql-lora=/adapters/sql-lora"),
     "paged-backend triton-backend /opt/tritonserver/backends": Run("exit"),
     "paged-backend triton-serve --model-repository repo/": Run("triton", TRITON_SERVE),
     "paged-backend triton-serve --model-repository ./model_repository": Run("triton", TRITON_SERVE),
@@ -126,6 +135,8 @@ COMMANDS: Dict[str, Run] = {
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_recompute_policies_study"),
     "paged-backend bench busy-threads --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_busy_threads_study"),
+    "paged-backend bench lora --documented": Run(
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_lora_study"),
     "paged-backend bench step-profile --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_step_profile_records_the_step_call_tree"),
 }
@@ -199,7 +210,7 @@ def _substituted(text: str, places: Dict[str, str]) -> str:
     for pattern, replacement in SMALL:
         text = re.sub(pattern, replacement, text)
     text = text.replace("{model_dir}", places["model_dir"]).replace("{tmp}", places["tmp"])
-    text = text.replace("{bin}", places["bin"])
+    text = text.replace("{bin}", places["bin"]).replace("{adapter_dir}", places.get("adapter_dir", "a"))
     while "{port}" in text:
         text = text.replace("{port}", str(free_port()), 1)
     return text
@@ -344,6 +355,7 @@ def places(tmp_path_factory) -> Dict[str, str]:
     """The scratch folder, a saved tiny-llama, and a copy of docs/ for `bench docs` to rewrite."""
     import shutil
 
+    from paged_backend.benchmarks.micro.lora import write_adapter
     from paged_backend.worker.loader import load_model
 
     tmp = tmp_path_factory.mktemp("documented")
@@ -351,7 +363,8 @@ def places(tmp_path_factory) -> Dict[str, str]:
     model.save_pretrained(tmp / "tiny-llama-dir")
     tokenizer.save_pretrained(tmp / "tiny-llama-dir")
     shutil.copytree(ROOT / "docs", tmp / "docs")
-    return {"model_dir": str(tmp / "tiny-llama-dir"), "tmp": str(tmp), "bin": str(BIN)}
+    adapter = write_adapter(model, tmp / "sql-lora", rank=8, targets=("q_proj", "v_proj"), seed=0)
+    return {"model_dir": str(tmp / "tiny-llama-dir"), "tmp": str(tmp), "bin": str(BIN), "adapter_dir": str(adapter)}
 
 
 @pytest.fixture(scope="module")

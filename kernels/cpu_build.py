@@ -47,7 +47,9 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
     # (logits, row_stride, num_rows, vocab, top_k, top_p, min_p, greedy, uniforms, draw_offsets, tokens,
     #  logprobs, kept, log_norm, num_threads)
     "cpu_sampler": {"sample_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p,
-                                                     _i64])},
+                                                     _i64]),
+                    # (logits, row_stride, num_rows, vocab, with_norms, tokens, log_norm, num_threads)
+                    "greedy_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, ctypes.c_uint8, _p, _p, _i64])},
 }
 
 

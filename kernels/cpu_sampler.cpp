@@ -81,6 +81,62 @@ inline void chunk_exp(const Row& row, int64_t start, int64_t n, float* out) {
 
 constexpr int64_t kNumLevels = sizeof(kLevelRatios) / sizeof(kLevelRatios[0]);
 
+// A greedy row in one pass over memory: its first maximum and the sum of exp(x - max) (in float64 across
+// chunks), each chunk read once: its maximum (and NaNs) first, then, while it is in cache, exp(x - running max)
+// summed; a chunk that raises the maximum rescales the sum so far by exp(old - new). False when the row has no
+// finite maximum or holds a NaN.
+bool greedy_row(Row& row, int64_t& argmax, double& total, bool with_sum = true) {
+  constexpr int64_t L = Vector<float>::lanes;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float e[1];
+  float m = -kInf;
+  double sum = 0;
+  argmax = -1;
+  for (int64_t start = 0; start < row.vocab; start += kChunk) {
+    const int64_t n = std::min(kChunk, row.vocab - start);
+    const float* x = row.x + start;
+    FloatVector best = FloatVector{} - kInf;
+    IntVector nan = {};
+    int64_t i = 0;
+    for (; i + L <= n; i += L) {
+      const FloatVector v = load(x + i);
+      nan |= (v != v);
+      best = v > best ? v : best;
+    }
+    float chunk_max = -kInf;
+    bool has_nan = false;
+    for (int64_t j = 0; j < L; ++j) {
+      chunk_max = std::max(chunk_max, best[j]);
+      has_nan |= nan[j] != 0;
+    }
+    for (; i < n; ++i) {
+      has_nan |= x[i] != x[i];
+      chunk_max = std::max(chunk_max, x[i]);
+    }
+    if (has_nan || chunk_max == kInf) return false;
+    if (chunk_max > m) {
+      argmax = start + (std::find(x, x + n, chunk_max) - x);
+      if (m > -kInf) sum *= std::exp(double(m) - double(chunk_max));
+      m = chunk_max;
+    }
+    if (m == -kInf || !with_sum) continue;   // nothing finite so far: these tokens have probability 0
+    FloatVector lanes = {};
+    int64_t k = 0;
+    for (; k + L <= n; k += L) lanes += exp_nonpositive(load(x + k) - m);
+    double chunk = horizontal_sum<float>(lanes);
+    for (; k < n; ++k) {
+      e[0] = x[k] - m;
+      exp_nonpositive(e, 1);
+      chunk += e[0];
+    }
+    sum += chunk;
+  }
+  if (m == -kInf) return false;
+  row.max = m;
+  total = sum;
+  return true;
+}
+
 // Sum of exp(x - max) over the row in float64; optionally also per chunk, and the mass of the tokens with
 // exp(x - max) >= each of kLevelRatios.
 double exp_sum(const Row& row, std::vector<double>* chunk_sums, double* level_mass = nullptr) {
@@ -324,25 +380,29 @@ std::vector<Candidate> nucleus_candidates(const Row& row, const double* level_ma
 
 bool sample_row(Row row, int64_t top_k, double top_p, double min_p, bool greedy, const Draws& draws, int64_t& kept,
                 double& log_norm) {
+  if (greedy) {   // the first maximum; the whole row is kept (its log-probabilities are the full softmax's)
+    int64_t argmax = 0;
+    double total = 0;
+    if (!greedy_row(row, argmax, total)) return false;
+    kept = row.vocab;
+    log_norm = double(row.max) + std::log(total);
+    for (int64_t j = 0; j < draws.count; ++j) draws.tokens[j] = argmax;
+    return true;
+  }
   if (!row_max(row.x, row.vocab, row.max)) return false;
   int64_t k = (top_k <= 0 || top_k >= row.vocab) ? row.vocab : top_k;
   std::vector<Candidate> sorted;
-  if (k < row.vocab && !greedy) {
+  if (k < row.vocab) {
     sorted = top_k_candidates(row, k);
     k = sorted.empty() ? row.vocab : int64_t(sorted.size());   // the ties with the k-th value are kept too
     if (k == row.vocab) sorted.clear();
   }
-  if (greedy || (k == row.vocab && top_p >= 1.0 && min_p <= 0.0)) {
+  if (k == row.vocab && top_p >= 1.0 && min_p <= 0.0) {
     std::vector<double> chunk_sums;
-    const double total = exp_sum(row, greedy ? nullptr : &chunk_sums);
+    const double total = exp_sum(row, &chunk_sums);
     kept = row.vocab;
     log_norm = double(row.max) + std::log(total);
-    if (greedy) {
-      const int64_t argmax = std::find(row.x, row.x + row.vocab, row.max) - row.x;
-      for (int64_t j = 0; j < draws.count; ++j) draws.tokens[j] = argmax;
-    } else {
-      draw_from_row(row, chunk_sums, total, draws);
-    }
+    draw_from_row(row, chunk_sums, total, draws);
     return true;
   }
   double total = 0, level_mass[kNumLevels] = {};
@@ -373,6 +433,30 @@ bool sample_row(Row row, int64_t top_k, double top_p, double min_p, bool greedy,
 }  // namespace
 
 extern "C" {
+
+// Greedy rows alone: each row's first maximum and, with `with_norms`, its log-normaliser (max + log(sum of
+// exp(x - max)), exactly as sample_rows computes it for a greedy row); without, one pass of maximum and
+// comparisons (log_norm is left NaN). Returns 0, or 1 + the first row without a finite maximum (its token -1).
+int64_t greedy_rows(const float* logits, int64_t row_stride, int64_t num_rows, int64_t vocab, uint8_t with_norms,
+                    int64_t* tokens, double* log_norm, int64_t num_threads) {
+  int64_t failed = num_rows;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && num_rows > 1) \
+    reduction(min : failed)
+  for (int64_t r = 0; r < num_rows; ++r) {
+    Row row{logits + r * row_stride, vocab};
+    int64_t argmax = 0;
+    double total = 0;
+    if (!greedy_row(row, argmax, total, with_norms != 0)) {
+      failed = std::min(failed, r);
+      tokens[r] = -1;
+      log_norm[r] = std::numeric_limits<double>::quiet_NaN();
+      continue;
+    }
+    tokens[r] = argmax;
+    log_norm[r] = with_norms ? double(row.max) + std::log(total) : std::numeric_limits<double>::quiet_NaN();
+  }
+  return failed == num_rows ? 0 : failed + 1;
+}
 
 // Returns 0, or 1 + the first row without a finite maximum (every such row gets kept = 0 and is skipped; the
 // others are drawn as usual). Per draw: tokens and logprobs (x - log_norm); per row: kept (the prefix length)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .cpu_build import build_error, load_library
-from .sampling import RowDraws, check_rows, no_finite_maximum
+from .sampling import GreedyDraws, RowDraws, check_rows, no_finite_maximum
 
 
 def available() -> bool:
@@ -47,3 +47,23 @@ def sample_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
         if status:   # the kernel marks each failed row with kept = 0 (a row that samples keeps at least one token)
             return RowDraws(tokens, logprobs, kept, log_norm, (kept == 0).nonzero().flatten().tolist())
     return RowDraws(tokens, logprobs, kept, log_norm)
+
+
+def greedy_rows(logits: torch.Tensor, with_norms: bool = True) -> GreedyDraws:
+    """See kernels/sampling.py (`greedy_rows`)."""
+    library = load_library("cpu_sampler")
+    if library is None:
+        raise RuntimeError(f"the CPU sampling kernel is not available: {build_error('cpu_sampler')}")
+    if logits.device.type != "cpu":
+        raise ValueError(f"logits are on {logits.device}; the compiled sampler runs on CPU tensors")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows = logits.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    log_norm = torch.empty(rows, dtype=torch.float64)
+    if rows:
+        status = library.greedy_rows(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], int(with_norms),
+                                     tokens.data_ptr(), log_norm.data_ptr(), torch.get_num_threads())
+        if status:
+            return GreedyDraws(tokens, log_norm, (tokens < 0).nonzero().flatten().tolist())
+    return GreedyDraws(tokens, log_norm)

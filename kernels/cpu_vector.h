@@ -64,29 +64,29 @@ inline bool any_lane(const Mask& mask) {
 // exp(x) for x <= 0 in place: float through a vectorised Cephes-style polynomial (about 2 ulp; below -87,
 // where exp is under float's normal range, 0 exactly, -inf included), double through std::exp (float64 is
 // the exact-comparison dtype).
+inline FloatVector exp_nonpositive(FloatVector input) {
+  typedef FloatVector V;
+  const V v = input < -87.0f ? V{} - 87.0f : input;
+  const V t = v * 1.44269504088896341f;
+  const V k = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  const V r = (v - k * 0.693359375f) - k * -2.12194440e-4f;
+  V poly = V{} + 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  const IntVector bits = (__builtin_convertvector(k, IntVector) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return input < -87.0f ? V{} : poly * scale;
+}
+
 inline void exp_nonpositive(float* x, int64_t n) {
-  typedef Vector<float>::type V;
-  typedef int32_t IV __attribute__((vector_size(kVectorBytes)));
   constexpr int64_t L = Vector<float>::lanes;
   int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    const V input = load(x + i);
-    const V v = input < -87.0f ? V{} - 87.0f : input;
-    const V t = v * 1.44269504088896341f;
-    const V k = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-    const V r = (v - k * 0.693359375f) - k * -2.12194440e-4f;
-    V poly = V{} + 1.9875691500e-4f;
-    poly = poly * r + 1.3981999507e-3f;
-    poly = poly * r + 8.3334519073e-3f;
-    poly = poly * r + 4.1665795894e-2f;
-    poly = poly * r + 1.6666665459e-1f;
-    poly = poly * r + 5.0000001201e-1f;
-    poly = poly * r * r + r + 1.0f;
-    const IV bits = (__builtin_convertvector(k, IV) + 127) << 23;
-    V scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    store(x + i, input < -87.0f ? V{} : poly * scale);
-  }
+  for (; i + L <= n; i += L) store(x + i, exp_nonpositive(load(x + i)));
   for (; i < n; ++i) x[i] = x[i] < -87.0f ? 0.0f : std::exp(x[i]);
 }
 

@@ -206,3 +206,39 @@ def sample_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     if logits.device.type == "cpu" and kernel_backend(logits) == "cpp" and cpu_sampling.available():
         return cpu_sampling.sample_rows(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets, allow_failed_rows)
     return sample_rows_torch(logits, top_k, top_p, min_p, greedy, uniforms, draw_offsets, allow_failed_rows)
+
+
+@dataclass
+class GreedyDraws:
+    """Per row: its first maximum (-1 for a row without a finite maximum) and its log-normaliser (NaN when not
+    asked for, or for such a row)."""
+
+    tokens: torch.Tensor      # [R] int64
+    log_norm: torch.Tensor    # [R] float64
+    failed_rows: List[int] = field(default_factory=list)
+
+
+def greedy_rows(logits: torch.Tensor, with_norms: bool = True) -> GreedyDraws:
+    """Greedy rows alone, as `sample_rows` draws them: each row's first maximum and, with `with_norms`, its
+    log-normaliser (a token's log-probability is `x - log_norm`); without, only the maximum and its place, one
+    pass over the row. The compiled kernel for CPU logits when it builds, PyTorch otherwise."""
+    from . import cpu_sampling, kernel_backend
+
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be a float32 [rows, vocab] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.device.type == "cpu" and kernel_backend(logits) == "cpp" and cpu_sampling.available():
+        return cpu_sampling.greedy_rows(logits, with_norms)
+    return greedy_rows_torch(logits, with_norms)
+
+
+def greedy_rows_torch(logits: torch.Tensor, with_norms: bool = True) -> GreedyDraws:
+    """The PyTorch version of `greedy_rows` (any device)."""
+    maxima, bad = _row_maxima(logits)
+    tokens = logits.argmax(-1) if logits.shape[1] else torch.zeros(logits.shape[0], dtype=torch.long)
+    log_norm = torch.full((logits.shape[0],), float("nan"), dtype=torch.float64, device=logits.device)
+    if with_norms:
+        safe = maxima.masked_fill(bad, 0.0)
+        log_norm = safe.double() + (logits - safe[:, None]).exp().sum(-1, dtype=torch.float64).log()
+        log_norm = log_norm.masked_fill(bad, float("nan"))
+    tokens = tokens.masked_fill(bad, -1)
+    return GreedyDraws(tokens, log_norm, bad.nonzero().flatten().tolist())

@@ -61,7 +61,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="run the model forward compiled by torch.compile (inductor), per shape bucket: "
                             "`--compile` compiles in the background while steps run eagerly, `--compile blocking` "
                             "before serving; compiled code is cached on disk (default: off)")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule the next step and prepare its inputs while the model runs the current one "
+                            "(vLLM's name; default: the engine's, on)")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters chosen per request")
+    group.add_argument("--max-loras", type=int, default=1, help="LoRA adapters on the device at once (default 1)")
+    group.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank accepted (default 16)")
+    group.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="LoRA adapters kept loaded on the host (default: --max-loras)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -72,7 +80,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                 enable_prefix_caching=args.enable_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, compile=args.compile, seed=args.seed)
+                tensor_parallel_size=args.tensor_parallel_size, compile=args.compile,
+                seed=args.seed, enable_lora=args.enable_lora,
+                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}))
 
 
 def _add_info(sub) -> None:

@@ -91,6 +91,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     preemption_mode: Optional[str] = None
     max_model_len: Optional[int] = None
+    # vLLM's name: schedule step N+1 and prepare its inputs while step N's forward runs (in a worker thread)
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -106,6 +108,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
 
 
 @dataclass
@@ -147,6 +151,34 @@ class CompilationConfig:
         self.compile = compile_mode(self.compile)
 
 
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters chosen per request (vLLM's names): `max_loras` adapters on the device at once (the
+    adapters of one step), `max_cpu_loras` kept loaded on the host (default `max_loras`), ranks up to
+    `max_lora_rank`."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model itself."""
@@ -155,6 +187,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     seed: int = 0
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
 
@@ -162,11 +195,14 @@ class EngineConfig:
         if self.compilation.compile != "off" and self.parallel.tensor_parallel_size > 1:
             raise ValueError("compile is not available with tensor_parallel_size > 1 (each rank would compile its "
                              "shard separately); run tensor-parallel engines eagerly")
+        if self.compilation.compile != "off" and self.lora.enable_lora:
+            raise ValueError("compile is not available with enable_lora (each step chooses its adapters, which "
+                             "compiled code would not see); run LoRA engines eagerly")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from the flat keyword names that `LLM(...)` and the CLIs use; unknown names raise."""
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig, "lora": LoRAConfig,
                  "compilation": CompilationConfig}
         values: dict = {name: {} for name in parts}
         seed = kwargs.pop("seed", 0)
@@ -185,6 +221,6 @@ class EngineConfig:
 
 ENGINE_OPTION_NAMES = tuple(
     sorted(set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
-           | set(ParallelConfig.__dataclass_fields__) | set(CompilationConfig.__dataclass_fields__)
-           | {"seed", "max_logprobs"})
+           | set(ParallelConfig.__dataclass_fields__) | set(LoRAConfig.__dataclass_fields__)
+           | set(CompilationConfig.__dataclass_fields__) | {"seed", "max_logprobs"})
 )

@@ -21,6 +21,25 @@ def pytest_addoption(parser):
     parser.addoption("--stress-seeds", type=int, default=3,
                      help="random workloads the differential stress test runs per dtype and preemption mode "
                           "(default 3)")
+    parser.addoption("--async-scheduling", choices=("on", "off", "default"), default="default",
+                     help="every engine built in this process without an explicit async_scheduling runs with "
+                          "overlapped scheduling on or off (default: the engine's own default)")
+
+
+def pytest_configure(config):
+    """`--async-scheduling on|off`: the whole suite with overlapped scheduling forced either way."""
+    mode = config.getoption("--async-scheduling")
+    if mode == "default":
+        return
+    from paged_backend.config import EngineConfig
+
+    original = EngineConfig.from_kwargs.__func__
+
+    def from_kwargs(cls, **kwargs):
+        kwargs.setdefault("async_scheduling", mode == "on")
+        return original(cls, **kwargs)
+
+    EngineConfig.from_kwargs = classmethod(from_kwargs)
 _cache = {}
 
 

@@ -372,3 +372,74 @@ def test_interpreter_accepts_a_dot_the_gpu_compiler_rejects():
     c = torch.full((16, 16), float("nan"))
     small_k_dot_launch(a, b, c).run()     # K = 8: fine here, refused by the CUDA compiler (compile test)
     torch.testing.assert_close(c, a @ b)
+
+
+# ---- LoRA: the segmented shrink/expand kernels (kernels/triton_lora.py) ----------------------------------------
+LORA_CASES = {
+    # name: (slot of each token (-1: no adapter), in_features, out_features, rank of each slot (0: the slot's
+    #        adapter does not target the layer), max_rank)
+    "decode-3-slots-gqa-shapes": ([0, 2, -1, 1, 0, 2], 64, 32, [8, 4, 2], 8),
+    "prefill-long-segments": ([1] * 40 + [-1] * 7 + [0] * 21 + [1] * 5, 48, 80, [16, 3], 16),
+    "one-slot-skipped": ([0, 1, 1, 0, -1, 1], 32, 96, [0, 5], 8),
+    "rank-above-16": ([2, 2, 0, 1, 2, 0, 1], 40, 24, [20, 1, 32], 32),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(LORA_CASES))
+def test_lora_kernels_match_the_grouped_reference(name, dtype):
+    from paged_backend.kernels.lora import lora_delta_grouped, plan_lora
+    from paged_backend.kernels.triton_lora import lora_delta_triton
+
+    slots, in_features, out_features, ranks, max_rank = LORA_CASES[name]
+    generator = torch.Generator().manual_seed(case_seed(BASE_SEED, name))
+    x = torch.randn(len(slots), in_features, generator=generator).to(dtype)
+    y = torch.randn(len(slots), out_features, generator=generator).to(dtype)
+    a = torch.zeros(len(ranks), max_rank, in_features, dtype=dtype)
+    b = torch.zeros(len(ranks), out_features, max_rank, dtype=dtype)
+    scales = torch.zeros(len(ranks), dtype=torch.float32)
+    exact = []
+    for slot, rank in enumerate(ranks):
+        if rank == 0:
+            exact.append(None)
+            continue
+        lora_a = (torch.randn(rank, in_features, generator=generator) / in_features ** 0.5).to(dtype)
+        lora_b = torch.randn(out_features, rank, generator=generator).to(dtype)
+        a[slot, :rank], b[slot, :, :rank], scales[slot] = lora_a, lora_b, 0.5 + slot
+        exact.append((lora_a.double(), lora_b.double(), 0.5 + slot))
+    plan = plan_lora(torch.tensor(slots))
+    expected = y.double().clone()
+    lora_delta_grouped(expected, x.double(), plan, exact)
+    out = y.clone()
+    lora_delta_triton(out, x, plan, a, b, scales)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol * 4, atol=atol * 4 * max(1.0, max_rank ** 0.5))
+    untouched = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert torch.equal(out[untouched], y[untouched]), "rows without an adapter must be left exactly as they were"
+
+
+def test_engine_lora_tokens_match_the_grouped_path(monkeypatch, tmp_path):
+    """Two adapters and the base model in one batch through the Triton LoRA kernels give the grouped PyTorch
+    path's greedy tokens (and the kernels did run)."""
+    from conftest import get_model
+    from lora_adapters import ADAPTER_SPECS, make_adapter
+    from paged_backend import LoRARequest
+    from paged_backend.kernels import triton_lora
+
+    model, tokenizer = get_model("tiny-llama", torch.float32)
+    loras = [LoRARequest(f"a{i}", i + 1, str(make_adapter("tiny-llama", ADAPTER_SPECS["tiny-llama"][i],
+                                                           tmp_path / f"a{i}", seed=7 + i))) for i in (0, 2)]
+    calls = []
+    original = triton_lora.lora_delta_triton
+    monkeypatch.setattr(triton_lora, "lora_delta_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    prompts = ["The capital of France is", "Once upon a time"]
+    batch = [(p, lora) for p in prompts for lora in [None] + loras]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("PAGED_BACKEND_KERNELS", backend)
+        llm = LLM(model, tokenizer=tokenizer, enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=32)
+        outs = llm.generate([p for p, _ in batch], params, use_tqdm=False, lora_request=[lo for _, lo in batch])
+        tokens[backend] = [o.outputs[0].token_ids for o in outs]
+        assert bool(calls) == (backend == "triton")
+    assert tokens["triton"] == tokens["torch"]

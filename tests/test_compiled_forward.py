@@ -121,6 +121,8 @@ def test_compile_option_is_validated_everywhere():
         EngineConfig.from_kwargs(compile="fast")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig.from_kwargs(compile=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        EngineConfig.from_kwargs(compile=True, enable_lora=True)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args([]))["compile"] == "off"

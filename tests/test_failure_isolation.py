@@ -101,7 +101,8 @@ def test_a_runner_that_cannot_continue_fails_everything_and_refuses_more():
 
     engine.runner.execute = dead
     with pytest.raises(EngineDeadError, match="rank 1 died"):
-        engine.step()
+        for _ in range(2):  # with overlapped scheduling the step launched ahead may still have run on the old runner
+            engine.step()
     assert isinstance(engine.errored, EngineDeadError)
     assert not engine.has_unfinished_requests() and engine.get_stats().num_requests_failed == 2
     with pytest.raises(EngineDeadError):

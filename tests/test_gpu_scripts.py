@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.benchmarks.gpu import gpu_engine, gpu_kernels
+from conftest import get_model
+from paged_backend.benchmarks.gpu import gpu_engine, gpu_kernels, gpu_overlap
 
 
-def test_both_scripts_refuse_without_cuda(monkeypatch, capsys):
+def test_the_scripts_refuse_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_engine.main([]) == 2
     assert gpu_kernels.main([]) == 2
+    assert gpu_overlap.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_overlap_timing_on_the_cpu_reports_both_ways_with_the_same_tokens(monkeypatch):
+    monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
+    model, _ = get_model("tiny-llama", torch.float32)
+    rows = gpu_overlap.compare(model, (2,), steps=3, device="cpu")
+    assert [r["overlap"] for r in rows] == [False, True] and all(r["same_tokens"] for r in rows), rows
+    assert all(0 < r["device_ms_per_step"] and 0 < r["device_busy"] <= 1 for r in rows), rows
+    assert "| 2 | on |" in gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "rows": rows})
 
 
 def test_pressure_check_on_the_cpu_preempts_and_matches(monkeypatch):

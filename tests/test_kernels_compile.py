@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_backend.kernels import triton_attention, triton_cache
+from paged_backend.kernels import triton_attention, triton_cache, triton_lora
+from paged_backend.kernels.lora import plan_lora
 from paged_backend.kernels.triton_compile import compile_launch, cuda_target, resource_usage
 from paged_backend.kernels.triton_launch import is_interpreted
 from subprocess_pytest import assert_function_passed, list_test_functions, run_pytest_file
@@ -67,6 +68,18 @@ KV_DTYPE_CASES = {
     "decode-e4m3-fp32-d128-bs32-gqa8": (torch.float32, torch.float8_e4m3fn, 32, 4, 128, 32, "decode", 1),
     "decode-bf16cache-fp32-d64-bs16": (torch.float32, torch.bfloat16, 9, 3, 64, 16, "decode", 1),
     "prefill-fp16cache-bf16-d128-bs16": (torch.bfloat16, torch.float16, 32, 8, 128, 16, "prefill", 1),
+}
+
+
+# LoRA's segmented kernels: decode (16-row tiles) and prefill segments, small and large ranks.
+LORA_CASES = {
+    # name: (dtype, num_tokens, max_rank)
+    "decode-fp16-r8": (torch.float16, 8, 8),
+    "decode-bf16-r64": (torch.bfloat16, 12, 64),
+    "prefill-bf16-r16": (torch.bfloat16, 512, 16),
+    "prefill-fp16-r64": (torch.float16, 300, 64),
+    "decode-fp32-r32": (torch.float32, 4, 32),
+    "prefill-fp32-r64": (torch.float32, 200, 64),
 }
 
 
@@ -163,6 +176,18 @@ else:
         caches = [torch.zeros(4, 16, 2, 64, dtype=dtype) for _ in range(2)]
         mapping = torch.tensor([[0, 1]])
         _compile_all([triton_cache.copy_blocks_launch(caches[:1], caches[1:], mapping)], capability)
+
+    @pytest.mark.parametrize("capability", TARGETS)
+    @pytest.mark.parametrize("name", list(LORA_CASES))
+    def test_lora_kernels_compile(name, capability):
+        """The segmented shrink/expand kernels at a 4096-wide layer (Llama-7B's projections), four slots."""
+        dtype, num_tokens, rank = LORA_CASES[name]
+        plan = plan_lora(torch.arange(num_tokens) % 4)
+        x, y = torch.zeros(num_tokens, 4096, dtype=dtype), torch.zeros(num_tokens, 4096, dtype=dtype)
+        a, b = torch.zeros(4, rank, 4096, dtype=dtype), torch.zeros(4, 4096, rank, dtype=dtype)
+        launches = triton_lora.lora_launches(y, x, plan, a, b, torch.zeros(4))
+        assert [launch.kernel.__name__ for launch in launches] == ["lora_shrink_kernel", "lora_expand_kernel"]
+        _compile_all(launches, capability)
 
     @pytest.mark.parametrize("capability", TARGETS)
     def test_compile_check_rejects_a_dot_with_k_below_16(capability):

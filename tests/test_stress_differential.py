@@ -9,7 +9,8 @@ hypotheses with the same grammar mask); seeded samples must equal the same reque
 engine, and the failing request must fail with the same tokens as alone. Each workload runs with preemption
 by swapping, by recomputation, and the default mix, in float32 and float64 (in float32 the equality with a
 request alone holds for these workloads, not in general: docs/architecture.md). Every request must finish
-within a bounded number of steps and no block may be held at the end. `make test` runs a few seeds;
+within a bounded number of steps and no block may be held at the end. The same workloads give the same outputs
+with overlapped scheduling on and off (the default mix, float64). `make test` runs a few seeds;
 `pytest --stress-seeds=N` runs more.
 """
 
@@ -136,9 +137,9 @@ def assert_same_samples(got, want, dtype: torch.dtype, where) -> None:
             assert torch.allclose(g.logits[t], w.logits[t], rtol=0, atol=1e-3), (where, t)
 
 
-def run_under_pressure(model, tok, requests: List[Request], mode: Optional[str]):
+def run_under_pressure(model, tok, requests: List[Request], mode: Optional[str], **options):
     engine = LLMEngine(model, tokenizer=tok, block_size=BLOCK, num_blocks=18, num_swap_blocks=8,
-                       enable_prefix_caching=True, max_num_batched_tokens=24, preemption_mode=mode)
+                       enable_prefix_caching=True, max_num_batched_tokens=24, preemption_mode=mode, **options)
     return engine, run_workload(engine, requests)
 
 
@@ -173,6 +174,25 @@ def test_stress_seed(stress_seed, mode, dtype):
     assert stats.prefix_cache_hits > 0, stats
     assert_no_leaks(engine)
     check_outputs(model, tok, requests, finals, dtype, stress_seed)
+
+
+def test_stress_overlap_changes_no_output(stress_seed):
+    """Overlapped scheduling on and off (the default preemption mix, float64): every request's outputs, text,
+    log-probabilities, finish reasons and errors are the same, and neither run leaks a block."""
+    model, tok = get_model("tiny-llama", torch.float64)
+    requests = random_workload(stress_seed)
+    finals = {}
+    for overlap in (True, False):
+        engine, finals[overlap] = run_under_pressure(model, tok, requests, None, async_scheduling=overlap)
+        assert engine.get_stats().num_preemptions > 0
+        assert_no_leaks(engine)
+    assert finals[True].keys() == finals[False].keys() == {r.request_id for r in requests}
+    for rid, on in finals[True].items():
+        off = finals[False][rid]
+        assert on.error == off.error, (stress_seed, rid)
+        for a, b in zip(on.outputs, off.outputs, strict=True):
+            assert (a.token_ids, a.text, a.cumulative_logprob, a.finish_reason, a.stop_reason) == \
+                (b.token_ids, b.text, b.cumulative_logprob, b.finish_reason, b.stop_reason), (stress_seed, rid)
 
 
 def check_outputs(model, tok, requests: List[Request], finals: Dict[str, object], dtype: torch.dtype, seed) -> None:

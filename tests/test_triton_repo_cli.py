@@ -34,6 +34,11 @@ NON_DEFAULT = {
     "tensor_parallel_size": ["--tensor-parallel-size", "2", "--kind", "KIND_MODEL"],
     "compile": ["--compile", "blocking"],
     "seed": ["--seed", "5"],
+    "enable_lora": ["--enable-lora"],
+    "max_loras": ["--enable-lora", "--max-loras", "3"],
+    "max_lora_rank": ["--enable-lora", "--max-lora-rank", "64"],
+    "max_cpu_loras": ["--enable-lora", "--max-cpu-loras", "5"],
+    "async_scheduling": ["--no-async-scheduling"],
 }
 KIND_NAMES = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_MODEL": "MODEL"}
 

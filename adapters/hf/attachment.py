@@ -18,6 +18,8 @@ import torch
 
 from paged_backend import LLMEngine, RequestOutput, SamplingParams
 
+from .peft_adapters import adapter_cache_salt
+
 STATE = "_paged_backend_attachment"
 
 
@@ -75,9 +77,10 @@ class Attachment:
                 restore_training(self._training)
                 self._training = None
 
-    def _add(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt, params: SamplingParams, cache_salt: Optional[str] = None) -> None:
         with self._lock:
-            self.running_engine().add_request(request_id, prompt, params)
+            engine = self.running_engine()
+            engine.add_request(request_id, engine.prepare_request(prompt, params, cache_salt=cache_salt))
             self._inboxes[request_id] = []
 
     def _abort(self, request_ids: List[str]) -> None:
@@ -132,6 +135,8 @@ class EngineSession:
         self._attachment = attachment
         self._prefix = prefix
         self.request_ids: List[str] = []
+        # the PEFT adapters active when the call starts: its requests' KV is cached under their name only
+        self.cache_salt: Optional[str] = adapter_cache_salt(attachment.model)
 
     def __enter__(self) -> "EngineSession":
         self._attachment._open()
@@ -143,7 +148,7 @@ class EngineSession:
     def add(self, key: int, prompt, params: SamplingParams) -> str:
         """Queue one request of this call; returns its engine request id."""
         request_id = self._prefix + str(key)
-        self._attachment._add(request_id, prompt, params)
+        self._attachment._add(request_id, prompt, params, self.cache_salt)
         self.request_ids.append(request_id)
         return request_id
 

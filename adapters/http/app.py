@@ -10,18 +10,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from paged_backend import AsyncLLMEngine
+from paged_backend import AsyncLLMEngine, LoRARequest
 
-from . import openai_routes, tgi_routes, tokenize_routes
+from . import lora_routes, openai_routes, tgi_routes, tokenize_routes
 from .auth import APIKeyMiddleware
 from .body import DEFAULT_PAYLOAD_LIMIT, BodyLimit
 from .context import ServerContext
 from .errors import APIError, install_error_handlers
+from .loras import served_adapters
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("paged_backend.http")
@@ -38,16 +39,21 @@ def _error_reply(path: str, error: APIError) -> Response:
 def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optional[str] = None,
                max_concurrent_requests: int = 512,
                on_shutdown: Optional[Callable[[AsyncLLMEngine], None]] = None,
-               payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
-    """A TGI- and OpenAI-compatible app serving `engine` under the name `model_name`."""
+               payload_limit: int = DEFAULT_PAYLOAD_LIMIT, lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
+    """A TGI- and OpenAI-compatible app serving `engine` under the name `model_name`, and the LoRA adapters
+    `lora_modules` (loaded into the engine already) under their names."""
     if engine.tokenizer is None:
         raise ValueError("the HTTP server needs an engine with a tokenizer")
     if max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
     if payload_limit < 1:
         raise ValueError(f"payload_limit must be >= 1 byte, got {payload_limit}")
+    lora_enabled = engine.lora_enabled
+    if lora_modules and not lora_enabled:
+        raise ValueError("LoRA modules need an engine with enable_lora=True (--enable-lora)")
     ctx = ServerContext(engine, model_name, ServerMetrics(engine, model_name), max_concurrent_requests,
-                        special_ids=_special_ids(engine.tokenizer))
+                        special_ids=_special_ids(engine.tokenizer),
+                        loras=served_adapters(model_name, lora_enabled, lora_modules))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,6 +72,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str = "model", api_key: Optio
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(tokenize_routes.router)
+    app.include_router(lora_routes.router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -20,6 +20,7 @@ from typing import Optional
 from paged_backend import add_engine_args, engine_kwargs, format_stats
 
 from .body import DEFAULT_PAYLOAD_LIMIT
+from .loras import parse_lora_module
 
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
@@ -37,6 +38,10 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served under their names, as vLLM takes them: name=path "
+                        "or '{\"name\": ..., \"path\": ...}'; requests name one as `model` (OpenAI) or `adapter_id` "
+                        "(TGI); needs --enable-lora")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -96,6 +101,25 @@ async def _serve(server, sock: socket.socket, banner: str, ctx, grace: float) ->
     await task
 
 
+def _lora_modules(args: argparse.Namespace) -> list:
+    """The `--lora-modules` entries with ids 1, 2, ...; refused without --enable-lora or with a name twice."""
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    modules = [parse_lora_module(text) for text in args.lora_modules]
+    names = [m.lora_name for m in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+    from paged_backend import LoRARequest
+
+    return [LoRARequest(m.lora_name, i + 1, m.lora_path) for i, m in enumerate(modules)]
+
+
+async def _load_adapters(engine, modules: list) -> None:
+    """Read and check every adapter before the server listens (a bad one stops it with the reason)."""
+    for lora in modules:
+        await engine.add_lora(lora)
+
+
 def _ignore_signal_after_shutdown(signum, frame) -> None:
     """uvicorn re-raises the signal that stopped it; by then shutdown is done, so exit normally."""
 
@@ -119,15 +143,17 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"paged-backend: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
+    modules = _lora_modules(args)
     with sock:
         engine = AsyncLLMEngine(args.model, **engine_kwargs(args))
         name = args.served_model_name or args.model
+        asyncio.run(_load_adapters(engine, modules))
 
         def report(eng: AsyncLLMEngine) -> None:
             print(f"paged-backend: shut down. {format_stats(eng.get_stats())}", flush=True)
 
         app = create_app(engine, name, args.api_key, args.max_concurrent_requests, on_shutdown=report,
-                         payload_limit=args.payload_limit)
+                         payload_limit=args.payload_limit, lora_modules=modules)
         # uvicorn's own timeout is only a backstop: _serve aborts what is left after --shutdown-timeout
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 30,
                                 access_log=args.log_level == "debug")

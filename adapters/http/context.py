@@ -16,6 +16,7 @@ from paged_backend import AsyncLLMEngine
 
 from .body import decode_body
 from .errors import Overloaded
+from .loras import ServedAdapters
 from .metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -35,8 +36,11 @@ class ServerContext:
     active_requests: set = field(default_factory=set)
     validation_workers: int = 2  # threads that parse, tokenize and validate requests (TGI's --validation-workers)
     workers: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    loras: Optional[ServedAdapters] = None   # the LoRA adapters requests may name (loras.py)
 
     def __post_init__(self) -> None:
+        if self.loras is None:
+            self.loras = ServedAdapters(self.model_name)
         if self.workers is None:
             self.workers = concurrent.futures.ThreadPoolExecutor(max_workers=self.validation_workers,
                                                                  thread_name_prefix="paged-http")

@@ -12,8 +12,8 @@ from typing import Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from paged_backend import (COUNTER, GAUGE, INFO, METRICS, AsyncLLMEngine, MetricSpec, histogram, info_labels,
-                           labelled_values, value)
+from paged_backend import (COUNTER, GAUGE, INFO, METRICS, STATE, AsyncLLMEngine, MetricSpec, histogram,
+                           info_labels, labelled_values, state_value, value)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -36,10 +36,10 @@ class _EngineCollector:
         if spec.kind == GAUGE:
             family = GaugeMetricFamily(spec.name, spec.help, labels=names)
             family.add_metric(values, value(spec, stats))
-        elif spec.kind == INFO:
+        elif spec.kind in (INFO, STATE):
             info = info_labels(spec, stats)
             family = GaugeMetricFamily(spec.name, spec.help, labels=names + list(info))
-            family.add_metric(values + list(info.values()), 1.0)
+            family.add_metric(values + list(info.values()), 1.0 if spec.kind == INFO else state_value(stats))
         elif spec.kind == COUNTER:
             family = CounterMetricFamily(spec.name, spec.help, labels=names + ([spec.label] if spec.label else []))
             if spec.label:

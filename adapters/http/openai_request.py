@@ -5,7 +5,8 @@ the body under vLLM's names through the engine's request contract (`sampling_par
 OpenAI's parameters plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`,
 `truncate_prompt_tokens`, `use_beam_search`, `length_penalty`, `early_stopping`, and structured output:
-`structured_outputs`, `guided_*`, see openai_structured.py). `response_format` constrains both routes; the
+`structured_outputs`, `guided_*`, see openai_structured.py). A `model` that names one of the server's LoRA
+adapters (loras.py) runs the request with it. `response_format` constrains both routes; the
 chat route also takes `tools` (openai_tools.py). `max_tokens` defaults to 16 for completions (OpenAI's
 documented default) and to all that fits the context and KV cache for chat; `null` means all that fits.
 """
@@ -126,6 +127,7 @@ class OpenAIPlan:
     logprobs: Optional[int]        # completions: top-k per position; chat: top_logprobs
     echo_texts: Optional[List[str]] = None
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
+    model: Optional[str] = None    # the name replies carry: the adapter's, else the served model's
 
     @property
     def prompts(self) -> List[List[int]]:
@@ -198,12 +200,13 @@ def _settle(ctx: ServerContext, req: SamplingFields, prompts: list, max_tokens: 
     prepared once for all prompts); refusals in OpenAI's terms."""
     structured, source = structured_outputs_value(req.structured_outputs, {g: getattr(req, g) for g in _GUIDED},
                                                   req.response_format, tool_schema)
-    names = {"prompt": prompt_param, "structured_outputs": source or "structured_outputs"}
+    names = {"prompt": prompt_param, "structured_outputs": source or "structured_outputs", "lora_request": "model"}
     try:
         base = sampling_params_from_dict(vllm_values(req, max_tokens, logprobs, structured),
                                          output_kind=RequestOutputKind.DELTA if req.stream else
                                          RequestOutputKind.CUMULATIVE)
-        return [ctx.engine.fit(r, default=default) for r in ctx.engine.prepare_many(prompts, base)]
+        lora = ctx.loras.resolve(req.model)
+        return [ctx.engine.fit(r, default=default) for r in ctx.engine.prepare_many(prompts, base, lora)]
     except InvalidRequest as exc:
         failed = refusal(exc, names)
         if exc.param == "structured_outputs" and source not in (None, "structured_outputs"):
@@ -234,7 +237,12 @@ def plan_completion(ctx: ServerContext, req: CompletionRequest) -> OpenAIPlan:
               "unsupported_parameter")
     requests = _settle(ctx, req, _completion_prompts(req.prompt), req.max_tokens, req.logprobs, None, "prompt")
     echo = [ctx.tokenizer.decode(r.prompt_token_ids) for r in requests] if req.echo else None
-    return OpenAIPlan(requests, req.stream, _include_usage(req), req.logprobs, echo)
+    return OpenAIPlan(requests, req.stream, _include_usage(req), req.logprobs, echo, model=_reply_model(ctx, req))
+
+
+def _reply_model(ctx: ServerContext, req: SamplingFields) -> str:
+    """The model name a reply carries: the adapter's when the request named one, else the served model's."""
+    return req.model if ctx.loras.resolve(req.model) is not None else ctx.model_name
 
 
 def _include_usage(req: SamplingFields) -> bool:
@@ -319,4 +327,4 @@ def plan_chat(ctx: ServerContext, req: ChatRequest) -> OpenAIPlan:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     requests = _settle(ctx, req, [prompt], requested, logprobs, None, "messages", tools.schema)
-    return OpenAIPlan(requests, req.stream, _include_usage(req), logprobs, tools=tools)
+    return OpenAIPlan(requests, req.stream, _include_usage(req), logprobs, tools=tools, model=_reply_model(ctx, req))

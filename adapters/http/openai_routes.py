@@ -2,8 +2,9 @@
 
 Replies follow OpenAI's shapes (`choices`, `usage`, logprobs objects); streams are server-sent
 `data: {...}` chunks ending with `data: [DONE]`, with a final usage chunk when
-`stream_options.include_usage` is set. Any `model` name is accepted (as TGI does); replies name
-the served model.
+`stream_options.include_usage` is set. Any `model` name is accepted (as TGI does); one that names a LoRA
+adapter runs the request with it and replies carry it, otherwise replies name the served model. `/v1/models`
+lists the served model and its adapters (`parent`: the served model, `root`: the adapter's directory).
 """
 
 from __future__ import annotations
@@ -123,9 +124,14 @@ def _stream_reply(chunks: AsyncIterator[str], slot) -> Response:
 @router.get("/models")
 async def models(request: Request) -> Response:
     ctx = context_of(request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model_name, "object": "model", "created": int(request.app.state.started_at),
-         "owned_by": "paged-backend", "max_model_len": ctx.max_model_len}]})
+    created = int(request.app.state.started_at)
+    cards = [{"id": ctx.model_name, "object": "model", "created": created, "owned_by": "paged-backend",
+              "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}]
+    for name in ctx.loras.names():
+        cards.append({"id": name, "object": "model", "created": created, "owned_by": "paged-backend",
+                      "root": ctx.loras.adapters[name].lora_path, "parent": ctx.model_name,
+                      "max_model_len": ctx.max_model_len})
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def _serve(request: Request, model, plan_fn, stream_fn, reply_fn) -> Response:
@@ -149,9 +155,9 @@ async def completions(request: Request) -> Response:
     return await _serve(request, CompletionRequest, plan_completion, _completion_chunks, _completion_reply)
 
 
-def _completion_header(ctx: ServerContext) -> dict:
+def _completion_header(ctx: ServerContext, plan: OpenAIPlan) -> dict:
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": ctx.model_name, "system_fingerprint": FINGERPRINT}
+            "model": plan.model or ctx.model_name, "system_fingerprint": FINGERPRINT}
 
 
 def _completion_reply(ctx: ServerContext, plan: OpenAIPlan, outputs: List[RequestOutput]) -> Response:
@@ -162,7 +168,7 @@ def _completion_reply(ctx: ServerContext, plan: OpenAIPlan, outputs: List[Reques
             logprobs = completion_logprobs(ctx, _infos(ctx, comp), len(echo)) if plan.logprobs is not None else None
             choices.append({"index": i * plan.n + comp.index, "text": echo + comp.text, "logprobs": logprobs,
                             "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
-    return JSONResponse({**_completion_header(ctx), "choices": choices,
+    return JSONResponse({**_completion_header(ctx, plan), "choices": choices,
                          "usage": _usage(plan, _generated(outputs))})
 
 
@@ -183,7 +189,7 @@ def _completion_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[st
         return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
                  "stop_reason": delta.stop_reason}]
 
-    return _chunks(ctx, plan, "cmpl", make_choice, _completion_header(ctx))
+    return _chunks(ctx, plan, "cmpl", make_choice, _completion_header(ctx, plan))
 
 
 @router.post("/chat/completions")
@@ -191,9 +197,9 @@ async def chat_completions(request: Request) -> Response:
     return await _serve(request, ChatRequest, plan_chat, _chat_chunks, _chat_reply)
 
 
-def _chat_header(ctx: ServerContext, kind: str) -> dict:
+def _chat_header(ctx: ServerContext, plan: OpenAIPlan, kind: str) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": ctx.model_name, "system_fingerprint": FINGERPRINT}
+            "model": plan.model or ctx.model_name, "system_fingerprint": FINGERPRINT}
 
 
 def _chat_message(plan: OpenAIPlan, comp: CompletionOutput) -> tuple:
@@ -215,7 +221,7 @@ def _chat_reply(ctx: ServerContext, plan: OpenAIPlan, outputs: List[RequestOutpu
         message, finish_reason = _chat_message(plan, comp)
         choices.append({"index": comp.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                         "stop_reason": comp.stop_reason})
-    return JSONResponse({**_chat_header(ctx, "chat.completion"), "choices": choices,
+    return JSONResponse({**_chat_header(ctx, plan, "chat.completion"), "choices": choices,
                          "usage": _usage(plan, _generated(outputs))})
 
 
@@ -248,4 +254,4 @@ def _chat_chunks(ctx: ServerContext, plan: OpenAIPlan) -> AsyncIterator[str]:
                             "stop_reason": delta.stop_reason})
         return choices
 
-    return _chunks(ctx, plan, "chatcmpl", make_choice, _chat_header(ctx, "chat.completion.chunk"))
+    return _chunks(ctx, plan, "chatcmpl", make_choice, _chat_header(ctx, plan, "chat.completion.chunk"))

@@ -6,7 +6,8 @@ Decoding follows TGI: sampling when `do_sample` is true or any warper is set (`t
 or any of `temperature`, `top_k`, `top_p`, `typical_p` given, `temperature: 1.0` included) and always samples.
 Stop sequences stay in the generated text, as in TGI.
 `max_new_tokens` absent means 100 (TGI's default); `null` means all that fits the context and KV cache.
-`grammar` constrains the output to a JSON schema or a regex (tgi_grammar.py).
+`grammar` constrains the output to a JSON schema or a regex (tgi_grammar.py). `adapter_id` names one of the
+server's LoRA adapters (loras.py; the served model's name or none: the base model).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ DEFAULT_MAX_NEW_TOKENS = 100  # TGI's default when max_new_tokens is absent
 _U64 = 2 ** 64
 # the engine's parameter names -> TGI's, for errors
 TGI_NAMES = {"max_tokens": "max_new_tokens", "logprobs": "top_n_tokens", "prompt": "inputs", "n": "best_of",
-             "truncate_prompt_tokens": "truncate"}
+             "truncate_prompt_tokens": "truncate", "lora_request": "adapter_id"}
 
 
 class TGIParameters(StrictBody):
@@ -113,8 +114,17 @@ def _check_unsupported(p: TGIParameters) -> None:
         fail("`typical_p` is not supported by this server", "typical_p")
     if p.watermark:
         fail("`watermark` is not supported by this server", "watermark")
-    if p.adapter_id is not None:
-        fail("`adapter_id` is not supported: this server has no adapters", "adapter_id")
+
+
+def _adapter(ctx: ServerContext, p: TGIParameters):
+    """The LoRA adapter `adapter_id` names (None for the base model: no id, or the served model's name)."""
+    if p.adapter_id is None or p.adapter_id == ctx.model_name:
+        return None
+    lora = ctx.loras.resolve(p.adapter_id)
+    if lora is None:
+        known = ", ".join(ctx.loras.names()) or "none"
+        fail(f"`adapter_id` {p.adapter_id!r} is not one of this server's adapters ({known})", "adapter_id")
+    return lora
 
 
 def _check_ranges(p: TGIParameters, best_of: int, stream: bool) -> None:
@@ -181,7 +191,7 @@ def plan_tgi(ctx: ServerContext, request: TGIRequest, stream: bool) -> TGIPlan:
     default = None if "max_new_tokens" in p.model_fields_set else DEFAULT_MAX_NEW_TOKENS
     try:
         params = sampling_params_from_dict(vllm_values(p, best_of, seed), output_kind=kind)
-        prepared = ctx.engine.fit(ctx.engine.prepare(request.inputs, params), default=default,
+        prepared = ctx.engine.fit(ctx.engine.prepare(request.inputs, params, _adapter(ctx, p)), default=default,
                                   param="max_new_tokens")
     except InvalidRequest as exc:
         if exc.param == "structured_outputs":  # the grammar did not compile

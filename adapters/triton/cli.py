@@ -15,6 +15,8 @@ from paged_backend import EngineConfig, add_engine_args, engine_kwargs
 
 from .model_json import ModelOptions
 
+LORA_OPTIONS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+
 
 def add_parser(subparsers, name: str) -> None:
     """Register `triton-repo`, `triton-backend` or `triton-serve` (the name says which)."""
@@ -60,6 +62,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=("KIND_CPU", "KIND_GPU", "KIND_MODEL"), default="KIND_CPU",
                    help="instance kind: KIND_GPU runs each instance on its own GPU, KIND_CPU on the host, "
                         "KIND_MODEL where --device says (default: a GPU if there is one)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) written to multi_lora.json, which requests pick with "
+                        "lora_name in sampling_parameters; needs --enable-lora")
     add_engine_args(p)
     p.set_defaults(device=None)   # the instance kind's device unless --device is given
 
@@ -91,7 +96,10 @@ def _engine_values(args: argparse.Namespace) -> Dict[str, Any]:
     parts = [getattr(config, f.name) for f in dataclasses.fields(config)
              if dataclasses.is_dataclass(getattr(config, f.name))]   # the option groups (cache, scheduler, ...)
     parts.append(config)
-    return {key: next(getattr(part, key) for part in parts if hasattr(part, key)) for key in kwargs}
+    values = {key: next(getattr(part, key) for part in parts if hasattr(part, key)) for key in kwargs}
+    if not config.lora.enable_lora:   # model.json names LoRA only when it serves adapters
+        values = {key: value for key, value in values.items() if key not in LORA_OPTIONS}
+    return values
 
 
 def model_options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -109,7 +117,22 @@ def _write(args: argparse.Namespace, out_dir: Path) -> Path:
     return write_model_repository(out_dir, args.name, model_options(args),
                                   report_metrics=not args.no_custom_metrics, layout=args.layout,
                                   instance_count=args.instance_count, kind=args.kind,
-                                  max_batch_size=args.max_batch_size)
+                                  max_batch_size=args.max_batch_size, lora_modules=_lora_modules(args))
+
+
+def _lora_modules(args: argparse.Namespace) -> Dict[str, str]:
+    """`--lora-modules name=path ...` as multi_lora.json's object (absolute paths)."""
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    modules = {}
+    for entry in args.lora_modules:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {entry!r}: write name=path")
+        if name in modules:
+            raise ValueError(f"--lora-modules names adapter {name!r} twice")
+        modules[name] = str(Path(path).expanduser().resolve())
+    return modules
 
 
 def run_repo(args: argparse.Namespace) -> int:

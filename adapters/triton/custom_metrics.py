@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from paged_backend import (COUNTER, GAUGE, HISTOGRAM, HISTOGRAM_BUCKETS, INFO, METRICS, EngineStats, MetricSpec,
-                           histogram, info_labels, labelled_values, value)
+from paged_backend import (COUNTER, GAUGE, HISTOGRAM, HISTOGRAM_BUCKETS, INFO, METRICS, STATE, EngineStats,
+                           MetricSpec, histogram, info_labels, labelled_values, state_value, value)
 
 
 class TritonEngineMetrics:
@@ -19,17 +19,19 @@ class TritonEngineMetrics:
 
     def __init__(self, pb_utils: Any, labels: Dict[str, str]) -> None:
         kinds = {GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
-                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM, INFO: pb_utils.MetricFamily.GAUGE}
+                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM, INFO: pb_utils.MetricFamily.GAUGE,
+                 STATE: pb_utils.MetricFamily.GAUGE}
         self._labels = labels
         self._families: List[Any] = []
         self._info_families: Dict[str, Any] = {}  # INFO metrics get their labels from the first snapshot
         # (spec, label value or None) -> metric
         self._metrics: Dict[Tuple[str, Optional[str]], Any] = {}
         self._last: Dict[Tuple[str, Optional[str]], float] = {}
+        self._states: Dict[str, str] = {}   # STATE metric -> its current label set
         for spec in METRICS:
             family = pb_utils.MetricFamily(name=spec.sample_name, description=spec.help, kind=kinds[spec.kind])
             self._families.append(family)
-            if spec.kind == INFO:
+            if spec.kind in (INFO, STATE):
                 self._info_families[spec.name] = family
             elif spec.label:
                 for label_value in spec.label_values:
@@ -47,6 +49,8 @@ class TritonEngineMetrics:
                 self._set((spec.name, None), value(spec, stats))
             elif spec.kind == INFO:
                 self._set_info(spec, stats)
+            elif spec.kind == STATE:
+                self._set_state(spec, stats)
             elif spec.kind == COUNTER and spec.label:
                 for label_value, count in labelled_values(spec, stats):
                     self._grow((spec.name, label_value), count)
@@ -66,6 +70,18 @@ class TritonEngineMetrics:
             labels = {**self._labels, **info_labels(spec, stats)}
             self._metrics[key] = self._info_families[spec.name].Metric(labels=labels)
             self._metrics[key].set(1.0)
+
+    def _set_state(self, spec: MetricSpec, stats: EngineStats) -> None:
+        """The series of the current labels is set to the snapshot's time when they change (earlier label sets
+        keep their older times, as in vLLM, so the newest series is the current state)."""
+        labels = info_labels(spec, stats)
+        key = (spec.name, "\0".join(f"{k}={v}" for k, v in sorted(labels.items())))
+        if self._states.get(spec.name) == key[1]:
+            return
+        if key not in self._metrics:
+            self._metrics[key] = self._info_families[spec.name].Metric(labels={**self._labels, **labels})
+        self._metrics[key].set(state_value(stats))
+        self._states[spec.name] = key[1]
 
     def _grow(self, key, current: float) -> None:
         delta = current - self._last.get(key, 0.0)

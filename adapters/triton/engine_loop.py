@@ -132,7 +132,8 @@ class EngineService:
     def _admit(self, request: GenerateRequest) -> ValidatedRequest:
         """The request checked and prepared once, max_tokens settled (blocking: tokenizes, compiles; runs in a
         worker thread so the loop keeps serving the other streams)."""
-        return self.engine.fit(self.engine.prepare(request.prompt, request.params), default=VLLM_DEFAULT_MAX_TOKENS)
+        prepared = self.engine.prepare(request.prompt, request.params, request.lora_request)
+        return self.engine.fit(prepared, default=VLLM_DEFAULT_MAX_TOKENS)
 
     def engine_dead(self) -> Optional[BaseException]:
         """Why the engine cannot serve, or None while it can."""

@@ -13,6 +13,7 @@ Importable only inside Triton's stub, where `triton_python_backend_utils` exists
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import sys
@@ -30,6 +31,7 @@ from paged_backend import AsyncLLMEngine
 from .custom_metrics import TritonEngineMetrics, create_metrics
 from .engine_loop import INTERNAL, INVALID_ARG, UNAVAILABLE, EngineService, RequestError
 from .model_json import load_model_options
+from .multi_lora import load_multi_lora
 from .placement import engine_kwargs, place
 from .repository import input_configs, output_configs
 from .request_inputs import FLAG_INPUTS, REFUSED_INPUTS, parse_generate_request
@@ -97,6 +99,7 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.metrics: Optional[TritonEngineMetrics] = None
         self.service: Optional[EngineService] = None
+        self.adapters = None   # name -> LoRARequest from multi_lora.json when model.json enables LoRA
         self._unloading = False
         try:
             self._initialize(args)
@@ -131,7 +134,11 @@ class TritonPythonModel:
 
             tokenizer = AutoTokenizer.from_pretrained(options.tokenizer, local_files_only=True,
                                                       trust_remote_code=options.trust_remote_code)
+        if options.engine.get("enable_lora"):
+            self.adapters = load_multi_lora(self._version_dir(args))
         engine = AsyncLLMEngine(options.model, tokenizer=tokenizer, **kwargs)
+        if self.adapters:
+            asyncio.run(self._load_adapters(engine))
         # vLLM's rule: custom metrics when config.pbtxt asks for them and model.json does not disable stats
         if self._config_flag("REPORT_CUSTOM_METRICS", default=False) and not options.disable_log_stats:
             self.metrics = create_metrics(pb_utils, {"model": self.name, "version": args["model_version"]},
@@ -144,6 +151,13 @@ class TritonPythonModel:
                              f"{stats.block_size} tokens, {stats.num_swap_blocks} swap blocks, "
                              f"context {engine.max_model_len} tokens, dtype {engine.dtype}, "
                              f"{torch.get_num_threads()} torch threads")
+
+    async def _load_adapters(self, engine: AsyncLLMEngine) -> None:
+        """Read and check every adapter of multi_lora.json now: one that cannot serve fails the model's loading
+        with the reason, instead of every request that names it."""
+        for lora in self.adapters.values():
+            await engine.add_lora(lora)
+        self.logger.log_info(f"[paged_backend] LoRA adapters of {self.name!r}: {', '.join(self.adapters)}")
 
     def _config_flag(self, key: str, default: bool) -> bool:
         value = self.model_config.get("parameters", {}).get(key, {}).get("string_value")
@@ -190,7 +204,7 @@ class TritonPythonModel:
                 self._unload(dead)
                 continue
             try:
-                parsed = parse_generate_request(self._inputs(request), self._parameters(request))
+                parsed = parse_generate_request(self._inputs(request), self._parameters(request), self.adapters)
             except ValueError as exc:
                 self.service.send(handle, None, RequestError(str(exc), INVALID_ARG), True)
                 continue

@@ -6,7 +6,8 @@ Three kinds of keys besides `model`:
   `gpu_memory_utilization` a share of the device's memory, `swap_space` GiB, ...), plus this engine's own
   sizing options (`num_blocks`, `kv_cache_memory`, `num_swap_blocks`, `preemption_mode`, `watermark`);
 - with no meaning here (CUDA graphs, Ray, request logging, download folders, ...): accepted, logged once;
-- implemented only at vLLM's default (pipeline parallelism, quantization, LoRA, ...): other values refused.
+- implemented only at vLLM's default (pipeline parallelism, quantization, ...): other values refused.
+`enable_lora` (with `max_loras`, `max_lora_rank`, `max_cpu_loras`) serves the adapters of `multi_lora.json`.
 Unknown keys, and bad values, raise a ValueError naming them, which fails the model's loading.
 """
 
@@ -93,10 +94,14 @@ _ENGINE_ARGS: Dict[str, tuple] = {
     "kv_cache_memory_bytes": (_optional(_memory), "kv_cache_memory"),
     "preemption_mode": (_optional(_preemption), "preemption_mode"),
     "kv_cache_dtype": (_kv_cache_dtype, "kv_cache_dtype"),
+    "async_scheduling": (to_bool, "async_scheduling"),
     # this engine's own sizing options
     "num_blocks": (_optional(to_int), "num_blocks"), "kv_cache_memory": (_optional(_memory), "kv_cache_memory"),
     "num_swap_blocks": (_optional(to_int), "num_swap_blocks"), "watermark": (to_float, "watermark"),
     "compile": (_compile, "compile"),   # the compiled forward (off unless asked; vLLM's enforce_eager is the default)
+    # LoRA adapters (multi_lora.json)
+    "enable_lora": (to_bool, "enable_lora"), "max_loras": (to_int, "max_loras"),
+    "max_lora_rank": (to_int, "max_lora_rank"), "max_cpu_loras": (_optional(to_int), "max_cpu_loras"),
 }
 # the model and how it is loaded and reported
 _MODEL_ARGS: Dict[str, Callable[[str, Any], Any]] = {
@@ -109,7 +114,7 @@ NO_MEANING_HERE = frozenset({
     "compilation_config", "disable_custom_all_reduce", "distributed_executor_backend", "worker_use_ray",
     "engine_use_ray", "ray_workers_use_nsight", "disable_log_requests", "enable_log_requests",
     "aggregate_engine_logging", "use_v2_block_manager", "num_scheduler_steps", "multi_step_stream_outputs",
-    "disable_async_output_proc", "async_scheduling", "enable_chunked_prefill", "max_num_partial_prefills",
+    "disable_async_output_proc", "enable_chunked_prefill", "max_num_partial_prefills",
     "max_long_partial_prefills", "long_prefill_token_threshold", "scheduler_delay_factor", "download_dir",
     "revision", "tokenizer_revision", "code_revision", "tokenizer_mode", "served_model_name",
     "max_parallel_loading_workers", "tokenizer_pool_size",
@@ -121,12 +126,16 @@ NO_MEANING_HERE = frozenset({
     # vLLM applies generation_config.json's sampling defaults in its OpenAI server only, not to engine requests
     # such as the vLLM backend's; EOS ids are read from the model's generation config here anyway
     "generation_config",
+    # LoRA adapters never add tokens here (an adapter with new embeddings is refused when it is read)
+    "lora_extra_vocab_size",
 })
 # vLLM arguments this engine implements only at their default value
 ONLY_DEFAULT: Dict[str, tuple] = {
     "pipeline_parallel_size": (1, "pipeline parallelism is not implemented (use tensor_parallel_size)"),
     "quantization": (None, "quantized weights are not supported"),
-    "enable_lora": (False, "LoRA adapters are not supported"),
+    "lora_dtype": ("auto", "LoRA weights run in the model's dtype"),
+    "fully_sharded_loras": (False, "LoRA with tensor parallelism is not supported"),
+    "long_lora_scaling_factors": (None, "long-context LoRA is not supported"),
     "speculative_config": (None, "speculative decoding is not implemented"),
     "speculative_model": (None, "speculative decoding is not implemented"),
     "cpu_offload_gb": (0, "weights are not offloaded"),

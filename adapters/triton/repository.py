@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .model_json import MODEL_JSON, parse_model_options
+from .multi_lora import MULTI_LORA_JSON
 
 BACKEND_NAME = "paged_backend"
 LAYOUTS = ("backend", "python")
@@ -98,11 +99,13 @@ def config_pbtxt(name: str, instance_count: int = 1, report_metrics: bool = True
 def write_model_repository(out_dir: Union[str, Path], name: str = "paged_llm",
                            options: Union[Dict[str, Any], None] = None, version: int = 1,
                            report_metrics: bool = True, validate: bool = True, layout: str = "backend",
-                           instance_count: int = 1, kind: str = "KIND_CPU", max_batch_size: int = 0) -> Path:
+                           instance_count: int = 1, kind: str = "KIND_CPU", max_batch_size: int = 0,
+                           lora_modules: Optional[Dict[str, str]] = None) -> Path:
     """Write (or overwrite) model `name` under `out_dir`; returns the model folder.
 
     `options` is the content of model.json (vLLM's engine arguments); it is validated first unless
-    `validate=False` (used to write a deliberately broken model for tests).
+    `validate=False` (used to write a deliberately broken model for tests). `lora_modules` (adapter name ->
+    directory) becomes `multi_lora.json`, as Triton's vLLM backend reads it (model.json must set enable_lora).
     """
     if not _NAME.fullmatch(name):
         raise ValueError(f"model name {name!r} must use only letters, digits, '_', '-' and '.'")
@@ -123,6 +126,12 @@ def write_model_repository(out_dir: Union[str, Path], name: str = "paged_llm",
     else:
         (version_dir / "model.py").unlink(missing_ok=True)
     (version_dir / MODEL_JSON).write_text(json.dumps(values, indent=2) + "\n")
+    if lora_modules:
+        if validate and not parse_model_options(values).engine.get("enable_lora"):
+            raise ValueError("LoRA modules need enable_lora in model.json")
+        (version_dir / MULTI_LORA_JSON).write_text(json.dumps(lora_modules, indent=2) + "\n")
+    else:
+        (version_dir / MULTI_LORA_JSON).unlink(missing_ok=True)
     return model_dir
 
 

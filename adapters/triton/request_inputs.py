@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
-from paged_backend import (MAX_SCHEMA_DEPTH, RequestOutputKind, SamplingParams, load_json, sampling_params_from_dict,
-                           to_bool)
+from paged_backend import (MAX_SCHEMA_DEPTH, LoRARequest, RequestOutputKind, SamplingParams, load_json,
+                           sampling_params_from_dict, to_bool)
 from paged_backend.errors import InvalidParameter, UnsupportedParameter
 
+from .multi_lora import adapter_for
 from .trtllm_inputs import has_trtllm_inputs, trtllm_values
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
@@ -52,9 +53,7 @@ def parse_sampling_parameters(text: Any, stream: bool = False) -> SamplingParams
 
 
 def _sampling_params(values: Dict[str, Any], stream: bool) -> SamplingParams:
-    if values.pop("lora_name", None) is not None:  # vllm_backend's own key
-        raise UnsupportedParameter("LoRA feature is not enabled: this engine serves no LoRA adapters",
-                                   param="lora_name")
+    adapter_for(values.pop("lora_name", None), None)   # a JSON string alone names no model's adapters: refused
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     return sampling_params_from_dict(values, output_kind=kind)
 
@@ -73,6 +72,7 @@ class GenerateRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     batched: bool = False  # the inputs came with a batch dimension ([1, 1] shapes): outputs get one too
+    lora_request: Optional[LoRARequest] = None  # the adapter `lora_name` picked (multi_lora.json)
 
 
 def _decode(name: str, value: bytes) -> str:
@@ -116,9 +116,11 @@ def _flag(name: str, inputs: Mapping[str, Any], fallback: Mapping[str, Any]) -> 
     return None
 
 
-def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = None) -> GenerateRequest:
+def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = None,
+                           adapters: Optional[Mapping[str, LoRARequest]] = None) -> GenerateRequest:
     """Validate one request: `inputs` maps tensor names to numpy arrays (absent ones missing or None);
-    `request_parameters` is the request's parameters JSON (used when no `sampling_parameters` is sent)."""
+    `request_parameters` is the request's parameters JSON (used when no `sampling_parameters` is sent);
+    `adapters` the model's LoRA adapters (multi_lora.json; None: LoRA is off), which `lora_name` picks from."""
     for name, why in REFUSED_INPUTS.items():
         if inputs.get(name) is not None:
             raise UnsupportedParameter(f"input tensor {name!r}: {why}", param=name)
@@ -135,6 +137,7 @@ def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = 
         values = parse_json_object(_single("sampling_parameters", inputs["sampling_parameters"]))
     else:
         values = extra
+    lora = adapter_for(values.pop("lora_name", None), adapters)   # vllm_backend's own key
     params = _sampling_params(_merged(values, trtllm_values(inputs, _single, _strings)), stream)
     batched = getattr(inputs["text_input"], "ndim", 1) >= 2
     exclude = _flag("exclude_input_in_output", inputs, flags)
@@ -148,4 +151,4 @@ def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = 
                          f"sequences are only known at the end")
     returns = {name: bool(_flag(name, inputs, flags)) for name in RETURN_FLAGS}
     return GenerateRequest(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input,
-                           batched=batched, **returns)
+                           batched=batched, lora_request=lora, **returns)

@@ -3,7 +3,9 @@ benchmarks, docs/measurements/NAME.json for the studies).
 
 The prose of docs/benchmarks.md is written by hand; every figure sits in a generated block,
 `<!-- generated: KIND NAME -->` ... `<!-- end generated -->`, rewritten here from the records:
-`record NAME` (command, commit, machine, duration), `table NAME`, `plot NAME` and `headline`.
+`record NAME` (command, commit, machine, duration), `table NAME`, `plot NAME` and `headline`; `before NAME` shows
+the record and table of docs/measurements/NAME-before.json, the same measurement run on the code before a change
+(its record names that commit).
 A benchmark without a record gets a line saying so instead of stale numbers. The benchmarks' records must come
 from one commit (`make bench` runs them together); each study's record names its own.
 """
@@ -28,7 +30,8 @@ def names() -> tuple:
 
 
 def load_records(docs_dir: Path) -> Dict[str, dict]:
-    """name -> recorded result, for every benchmark and study that has a record."""
+    """name -> recorded result, for every benchmark and study that has a record; "NAME:before" -> the record of
+    the same measurement before a change, where docs/measurements/NAME-before.json exists."""
     from paged_backend.benchmarks.cli import record_paths
 
     records = {}
@@ -36,6 +39,9 @@ def load_records(docs_dir: Path) -> Dict[str, dict]:
         path = record_paths(name, docs_dir)[0]
         if path.exists():
             records[name] = json.loads(path.read_text())
+        before = docs_dir / "measurements" / f"{name}-before.json"
+        if before.exists():
+            records[f"{name}:before"] = json.loads(before.read_text())
     return records
 
 
@@ -155,6 +161,10 @@ def render(text: str, records: Dict[str, dict]) -> tuple:
         kind, name = match.group(2), match.group(3)
         if kind == "headline":
             body = render_headline(records)
+        elif kind == "before" and name in names():
+            before = records.get(f"{name}:before")
+            body = render_record(name, before) + "\n" + render_table(name, before) if before else \
+                f"*No record of {name} before the change (docs/measurements/{name}-before.json).*\n"
         elif kind in RENDERERS and name in names():
             body = RENDERERS[kind](name, records[name]) if name in records else _missing(name)
         else:

@@ -1,10 +1,13 @@
 """Benchmark 5, engine overhead: the share of a decode step's wall time spent outside the model forward
 (scheduling, block management, input preparation, sampling, output bookkeeping) at 1, 64 and 256
-running sequences.
+running sequences; then the engine's own time per step with stand-in runners (host_overhead.py): with ready
+logits (the whole host time, and where it goes) and with a runner that sleeps D ms (standing for a device),
+with and without overlapped scheduling.
 
 Phases are timed with `perf_counter` by wrapping the engine's own methods for the duration of the
 measurement; nothing the step does changes. The forward's paged-attention calls (cache write and
-attention through block tables) are timed too, as a part of the forward.
+attention through block tables) are timed too, as a part of the forward. The model-forward rows run without
+overlapped scheduling, so that every phase runs in the timed thread.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from paged_backend import LLMEngine, SamplingParams
 from paged_backend.benchmarks.paper.engine_runs import leaked_blocks, load_bench_model, release, set_threads
 from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table, percent
 from paged_backend.benchmarks.harness.workloads import make_trace
+from paged_backend.benchmarks.micro.host_overhead import HOST_PHASES, has_overlap, host_table, measure_host, phase_rows
 
 PHASES = ("schedule", "block_manager", "prepare_inputs", "forward", "attention", "sampling", "bookkeeping", "other")
 PAPER_NOTE = ("the paper gives no CPU-side step breakdown; its Fig. 18a reports the PagedAttention kernel "
@@ -37,9 +41,11 @@ class OverheadConfig:
     block_size: int = 16
     seed: int = 0
     threads: Optional[int] = None
+    host_steps: int = 30        # stand-in runners: decode steps timed per measurement (median reported)
+    device_ms: float = 25.0     # the sleeping runner's time per forward
 
 
-QUICK = {"model": "tiny-llama", "batch_sizes": (1, 8), "decode_steps": 3}
+QUICK = {"model": "tiny-llama", "batch_sizes": (1, 8), "decode_steps": 3, "host_steps": 4, "device_ms": 5.0}
 
 
 class PhaseTimer:
@@ -74,11 +80,14 @@ def instrumented(engine: LLMEngine, timer: PhaseTimer) -> Iterator[None]:
 
     bm = engine.block_manager
     patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "forward"),
-               (engine.sampler, "sample", "sampling"), (engine.tokens, "process", "bookkeeping"),
-               (engine_module, "prepare_inputs", "prepare_inputs"), (kernels, "paged_attention", "attention"),
-               (kernels, "reshape_and_cache", "attention")]
+               (engine.sampler, "sample", "sampling"), (engine.sampler, "sample_batch", "sampling"),
+               (engine.tokens, "process", "bookkeeping"), (engine.tokens, "launch", "bookkeeping"),
+               (engine_module, "prepare_inputs", "prepare_inputs"), (engine, "_step_inputs", "prepare_inputs"),
+               (kernels, "paged_attention", "attention"), (kernels, "reshape_and_cache", "attention")]
     patches += [(bm, name, "block_manager") for name in ("can_allocate", "allocate", "can_append_slots",
-                                                         "append_slots", "free", "fork", "mark_computed")]
+                                                         "append_slots", "append_decode_slots", "free", "fork",
+                                                         "mark_computed")]
+    patches = [(obj, name, phase) for obj, name, phase in patches if hasattr(obj, name)]
     saved = [(obj, name, name in vars(obj), vars(obj).get(name)) for obj, name, _ in patches]
     for obj, name, phase in patches:
         setattr(obj, name, timer.wrap(phase, getattr(obj, name)))
@@ -104,8 +113,10 @@ def measure_batch(model, tokenizer, batch: int, config: OverheadConfig) -> dict:
     prefill_steps = -(-batch * config.prompt_len // 2048) + 1
     max_tokens = prefill_steps + config.decode_steps + 2
     blocks = batch * (-(-(config.prompt_len + max_tokens) // config.block_size) + 1) + 8
+    sync = {"async_scheduling": False} if has_overlap() else {}   # every phase in this thread
     engine = LLMEngine(model, tokenizer, block_size=config.block_size, num_blocks=blocks, num_swap_blocks=0,
-                       max_num_seqs=max(256, batch), max_num_batched_tokens=max(2048, batch), seed=config.seed)
+                       max_num_seqs=max(256, batch), max_num_batched_tokens=max(2048, batch), seed=config.seed,
+                       **sync)
     try:
         for i, prompt in enumerate(_prompts(tokenizer, batch, config.prompt_len, config.seed)):
             engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
@@ -142,8 +153,10 @@ def run_overhead(config: OverheadConfig) -> dict:
     threads = set_threads(config.threads)
     model, tokenizer = load_bench_model(config.model)
     rows = [measure_batch(model, tokenizer, batch, config) for batch in config.batch_sizes]
+    host = [measure_host(model, tokenizer, _prompts(tokenizer, batch, config.prompt_len, config.seed), config)
+            for batch in config.batch_sizes]
     return {"benchmark": "overhead", "config": asdict(config), "conditions": {"threads": threads},
-            "runs": rows, "paper": PAPER_NOTE}
+            "runs": rows, "host": host, "overlap": has_overlap(), "paper": PAPER_NOTE}
 
 
 def overhead_table(result: dict) -> str:
@@ -159,7 +172,18 @@ def overhead_table(result: dict) -> str:
     c = result["config"]
     title = (f"Engine overhead per decode step ({c['model']}, prompts of {c['prompt_len']} tokens, "
              f"{c['decode_steps']} steps averaged, {result['conditions']['torch_threads']} threads; phases in ms)")
-    return format_table(headers, rows, title)
+    tables = [format_table(headers, rows, title)]
+    if result.get("host"):
+        d = c.get("device_ms", 25.0)
+        tables.append(format_table(
+            ["running seqs", "ready: step ms", "ready, overlap: ms", f"D={d:g} ms: step - D", f"D={d:g}, overlap: - D"],
+            host_table(result["host"], c),
+            f"The engine alone: stand-in runners ({c['model']}'s tokenizer, greedy, median of {c['host_steps']} decode "
+            f"steps); ready logits, and a runner that sleeps D ms (step time minus D), without and with overlapped "
+            f"scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}"))
+        tables.append(format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),
+                                   "Where the ready-logits step's host time goes, without overlap (ms per step)"))
+    return "\n\n".join(tables)
 
 
 def check_overhead(result: dict) -> List[str]:
@@ -175,6 +199,12 @@ def check_overhead(result: dict) -> List[str]:
         if never:
             problems.append(f"batch {r['batch']}: no call was timed for {', '.join(never)}: the instrumentation no "
                             f"longer matches what the engine's step calls, so those phases would read as free")
+    for r in result.get("host", []):
+        if r["running"] != r["batch"]:
+            problems.append(f"stand-in batch {r['batch']}: {r['running']} sequences were running")
+        never = [name for name, calls in r["phase_calls"].items() if not calls and name != "block_manager"]
+        if never:
+            problems.append(f"stand-in batch {r['batch']}: no call was timed for {', '.join(never)}")
     return problems
 
 

@@ -40,6 +40,8 @@ def reservation_tokens(policy: str, prompt_len: int, max_tokens, max_len: int) -
 class ReservationBlockManager(BlockManager):
     """A block manager whose block tables are contiguous runs reserved whole when a request is admitted."""
 
+    batched_decode = False  # its own slot rules: every step goes through can_append_slots / append_slots
+
     def __init__(self, block_size: int, num_blocks: int, policy: str, max_len: int,
                  allocator: str = "first-fit") -> None:
         super().__init__(block_size, num_blocks, num_swap_blocks=0, watermark=0.0, enable_prefix_caching=False)
@@ -91,7 +93,7 @@ class ReservationBlockManager(BlockManager):
         return self.num_blocks_to_append(group.get_seqs(SequenceStatus.RUNNING)) == 0
 
     def append_slots(self, seq: Sequence) -> List[Tuple[int, int]]:
-        if self.blocks_for(len(seq)) > len(self.block_tables[seq.seq_id]):
+        if self.blocks_for(seq.len_with_pending) > len(self.block_tables[seq.seq_id]):
             raise RuntimeError(f"sequence {seq.seq_id} outgrew its reservation")
         return []
 

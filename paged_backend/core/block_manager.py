@@ -35,6 +35,8 @@ class AllocStatus(enum.Enum):
 class BlockManager:
     """Maps each sequence's logical blocks to physical blocks of the device or host pool."""
 
+    batched_decode = True  # `append_decode_slots` may serve a step (a subclass that changes slot rules says no)
+
     def __init__(self, block_size: int, num_blocks: int, num_swap_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = False,
                  sliding_window: Optional[int] = None) -> None:
@@ -76,8 +78,8 @@ class BlockManager:
         """Tokens that must have slots before a step: all of them; under a sliding window only up to the next
         one to compute (a prefill chunk's further slots come from `grow_for_chunk`)."""
         if self.sliding_window is None:
-            return len(seq)
-        return min(len(seq), seq.num_computed_tokens + 1)
+            return seq.len_with_pending
+        return min(seq.len_with_pending, seq.num_computed_tokens + 1)
 
     # ---- admission ---------------------------------------------------------------------------
     def admission_blocks(self, group: SequenceGroup) -> int:
@@ -170,7 +172,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else seq.cache_salt, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
 
     # ---- growth ------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class BlockManager:
         """The blocks of `table` that the sequence's uncomputed tokens write into (never holes: those lie
         before the window of the first uncomputed token)."""
         first = seq.num_computed_tokens // self.block_size
-        return table[first:min(len(table), self.blocks_for(len(seq)))]
+        return table[first:min(len(table), self.blocks_for(seq.len_with_pending))]
 
     def _append_cost(self, seqs: Iterable[Sequence], tables: Dict[int, List[int]], holders) -> int:
         """New blocks plus copy-on-write copies that writing every uncomputed token of `seqs` takes.
@@ -209,7 +211,7 @@ class BlockManager:
         table = self.block_tables[seq.seq_id]
         copies: List[Tuple[int, int]] = []
         first = seq.num_computed_tokens // self.block_size
-        for i in range(first, min(len(table), self.blocks_for(len(seq)))):
+        for i in range(first, min(len(table), self.blocks_for(seq.len_with_pending))):
             block = table[i]
             if self.device.ref_counts[block] > 1:
                 new_block = self.device.allocate()
@@ -222,6 +224,35 @@ class BlockManager:
         self.num_copy_on_write += len(copies)
         return copies
 
+    def append_decode_slots(self, seqs: List[Sequence]) -> bool:
+        """The common decode step at once: when every sequence has at most one token to compute, none of them
+        writes into a shared block and the new blocks they need are free, give them those blocks and return True;
+        otherwise change nothing and return False (the caller takes the general path, group by group, with its
+        copy-on-write and preemption). One pass over the sequences, two integer checks each. A sequence with
+        nothing to compute (its pending token is its last) counts its partly filled last block as written, as
+        `append_slots` does."""
+        bs, tables, counts = self.block_size, self.block_tables, self.device.ref_counts
+        growing: List[List[int]] = []
+        for seq in seqs:
+            table = tables[seq.seq_id]
+            computed = seq.num_computed_tokens
+            if seq.len_with_pending == computed:
+                if computed % bs and counts[table[computed // bs]] > 1:
+                    return False
+                continue
+            index = computed // bs   # the block its one uncomputed token is written into
+            if index >= len(table):
+                if index > len(table):
+                    return False
+                growing.append(table)
+            elif counts[table[index]] > 1:
+                return False
+        if len(growing) > self.get_num_free_blocks():
+            return False
+        for table, block in zip(growing, self.device.allocate_many(len(growing))):
+            table.append(block)
+        return True
+
     def grow_for_chunk(self, seq: Sequence, num_tokens: int) -> int:
         """How many of the next `num_tokens` uncomputed tokens have slots, after giving a windowed sequence
         new blocks for them while any are free (the step's chunk; the blocks it leaves behind the window are
@@ -233,27 +264,43 @@ class BlockManager:
             table.append(self.device.allocate())
         return min(num_tokens, len(table) * self.block_size - start)
 
-    def mark_computed(self, seq: Sequence) -> None:
-        """After a step: put the sequence's newly completed full blocks into the prefix cache."""
+    def mark_computed(self, seq: Sequence, upto: Optional[int] = None) -> List[Tuple[bytes, int]]:
+        """Put the sequence's newly completed full blocks into the prefix cache (those within its first `upto`
+        tokens, a step's chunk; default: every computed token); returns the (hash, block) pairs it added. Only
+        known tokens are hashed: a token still being sampled never names a block. The engine registers a
+        step's blocks when it launches the step (steps run in launch order, so a later step that finds them
+        reads them computed) and drops them again if that step fails (`unregister`)."""
         if self.prefix_cache is None or seq.seq_id not in self.block_tables:
-            return
-        num_full = seq.num_computed_tokens // self.block_size
+            return []
+        num_full = min(seq.num_computed_tokens if upto is None else upto, len(seq.token_ids)) // self.block_size
         start = self._num_registered.get(seq.seq_id, 0)
         if num_full <= start:
-            return
+            return []
         table = self.block_tables[seq.seq_id]
         hashes = self._block_hashes(seq, num_full)
+        added = []
         for i in range(start, num_full):
-            if table[i] != HOLE:
-                self.prefix_cache.insert(hashes[i], table[i])
+            if table[i] != HOLE and self.prefix_cache.insert(hashes[i], table[i]):
+                added.append((hashes[i], table[i]))
         self._num_registered[seq.seq_id] = num_full
+        return added
 
-    def release_out_of_window(self, seq: Sequence) -> None:
+    def unregister(self, entries: Iterable[Tuple[bytes, int]]) -> None:
+        """Forget prefix-cache entries whose blocks were never computed (their step failed); a parked one goes
+        back to the free list."""
+        if self.prefix_cache is None:
+            return
+        for block_hash, block in entries:
+            if self.prefix_cache.forget(block_hash, block):
+                self.device.free_list.append(block)
+
+    def release_out_of_window(self, seq: Sequence, upto: Optional[int] = None) -> None:
         """After a step: release the blocks no layer can read any more, those wholly before the window of
-        the sequence's next token (a no-op unless every layer has a window)."""
+        the token after its first `upto` tokens (default: its next token to compute; a no-op unless every layer
+        has a window)."""
         if self.sliding_window is None or seq.seq_id not in self.block_tables:
             return
-        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        first_visible = (seq.num_computed_tokens if upto is None else upto) - self.sliding_window + 1
         limit = max(0, first_visible) // self.block_size
         table = self.block_tables[seq.seq_id]
         start = self._num_released.get(seq.seq_id, 0)

@@ -92,6 +92,16 @@ class PrefixCache:
             self._returned[block] = entry[1]
             heapq.heappush(self._returned_heap, (entry[1], block))
 
+    def forget(self, block_hash: bytes, block: int) -> bool:
+        """Drop a registration whose block will not hold what the hash names (the step computing it failed);
+        True when the block was parked (nobody holds it), so that the caller returns it to the free list."""
+        if self.hash_to_block.get(block_hash) != block:
+            return False
+        del self.hash_to_block[block_hash]
+        del self.block_to_hash[block]
+        return (self.evictable.pop(block, None) is not None or self._returned.pop(block, None) is not None
+                or self.evictable_kept.pop(block, None) is not None)
+
     def revive(self, block: int) -> bool:
         """A parked block gets a holder again."""
         if self.evictable.pop(block, None) is not None or self._returned.pop(block, None) is not None:

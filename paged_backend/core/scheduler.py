@@ -41,9 +41,10 @@ def common_prefix_len(seqs: List[Sequence]) -> int:
 class Scheduler:
     """Waiting, running and swapped queues of whole requests over one block manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: Optional[int] = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.max_loras = max_loras  # LoRA adapters that may run at once (the device's slots); None: no adapters
         self.waiting: Deque[SequenceGroup] = deque()
         self.running: List[SequenceGroup] = []
         self.swapped: List[SequenceGroup] = []
@@ -89,14 +90,26 @@ class Scheduler:
 
     def free_finished(self) -> List[SequenceGroup]:
         """Free the blocks of finished sequences; drop finished requests from the running queue."""
+        tables = self.block_manager.block_tables
+        done = []
         for group in self.running:
             for seq in group.seqs:
-                if seq.is_finished():
+                if seq.seq_id in tables and seq.is_finished():
                     self.block_manager.free(seq)
-        done = [g for g in self.running if g.is_finished()]
+            if group.is_finished():
+                done.append(group)
         if done:
             self.running = [g for g in self.running if not g.is_finished()]
         return done
+
+    def discard_finished(self, group: SequenceGroup) -> None:
+        """A request that finished while it was preempted (with overlapped scheduling its last token can arrive
+        after the scheduler swapped it out or queued it for recomputation): it leaves its queue and frees its
+        blocks."""
+        for queue in (self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+                self.finish_group(group, SequenceStatus.FINISHED_ABORTED)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -105,7 +118,7 @@ class Scheduler:
         kept = self._keep_running(out)
         budget.seqs = sum(g.max_num_running_seqs() for g in kept)
         if not out.preempted:
-            kept += self._swap_in(out, budget)
+            kept += self._swap_in(out, budget, {g.lora_int_id for g in kept})
         self.running = kept
         self._schedule_tokens(kept, out, budget)
         if not out.preempted and not self.swapped:
@@ -116,7 +129,10 @@ class Scheduler:
 
     def _keep_running(self, out: SchedulerOutput) -> List[SequenceGroup]:
         """Give every running request slots for its next tokens, preempting from the back."""
-        queue = deque(sorted(self.running, key=lambda g: g.metrics.arrival_time))
+        ordered = sorted(self.running, key=lambda g: g.metrics.arrival_time)
+        if self._decode_all(ordered):
+            return ordered
+        queue = deque(ordered)
         kept: List[SequenceGroup] = []
         bm = self.block_manager
         while queue:
@@ -139,6 +155,24 @@ class Scheduler:
                 self._append_slots(group, out)
                 kept.append(group)
         return kept
+
+    def _decode_all(self, groups: List[SequenceGroup]) -> bool:
+        """The common step: every running sequence decodes one token (or has none left to compute: its pending
+        token is its last) and their new blocks are free. Then every request keeps running and its slots come
+        from one batched call; False (nothing changed) otherwise."""
+        if not self.block_manager.batched_decode:
+            return False
+        seqs = []
+        running = SequenceStatus.RUNNING
+        for group in groups:
+            if group.fork_pending_len is not None:
+                return False
+            for seq in group.seqs:
+                if seq.status is running:
+                    if seq.len_with_pending - seq.num_computed_tokens > 1:
+                        return False
+                    seqs.append(seq)
+        return self.block_manager.append_decode_slots(seqs)
 
     def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
@@ -185,14 +219,18 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(group)
 
-    def _swap_in(self, out: SchedulerOutput, budget: _Budget) -> List[SequenceGroup]:
+    def _swap_in(self, out: SchedulerOutput, budget: _Budget, adapters: set) -> List[SequenceGroup]:
         """Bring swapped requests back in arrival order while blocks and the sequence budget allow;
         a request that could not come back even to an empty cache fails."""
         self.swapped.sort(key=lambda g: g.metrics.arrival_time)
         back: List[SequenceGroup] = []
         bm = self.block_manager
+        deferred: List[SequenceGroup] = []
         while self.swapped:
             group = self.swapped[0]
+            if not self._adapter_fits(group, adapters):
+                deferred.append(self.swapped.pop(0))
+                continue
             status = bm.can_swap_in(group, out.blocks_to_swap_in)
             if status == AllocStatus.NEVER:
                 self.swapped.pop(0)
@@ -209,6 +247,8 @@ class Scheduler:
             self._append_slots(group, out)
             budget.seqs += group.max_num_running_seqs()
             back.append(group)
+            adapters.add(group.lora_int_id)
+        self.swapped[:0] = deferred
         return back
 
     @staticmethod
@@ -220,14 +260,26 @@ class Scheduler:
     def _schedule_tokens(self, groups: List[SequenceGroup], out: SchedulerOutput, budget: _Budget) -> None:
         """Decode tokens first (one per sequence), then prefill chunks, within the token budget."""
         prefilling = []
+        running = SequenceStatus.RUNNING
+        scheduled = out.scheduled
         for group in groups:
-            seqs = self._to_compute(group)
-            if any(s.is_prefill for s in seqs):
+            seqs = []
+            prefill = False
+            for seq in group.seqs:
+                if seq.status is running:
+                    todo = seq.len_with_pending - seq.num_computed_tokens
+                    if todo > 1:
+                        prefill = True
+                        break
+                    if todo == 1:
+                        seqs.append(seq)
+            if prefill:
                 prefilling.append(group)
                 continue
             if len(seqs) > budget.tokens:
                 continue  # cannot happen while the token budget covers max_num_seqs; never starve the rest
-            out.scheduled.extend(ScheduledSeq(group, seq, 1) for seq in seqs)
+            for seq in seqs:
+                scheduled.append(ScheduledSeq(group, seq, 1))
             budget.tokens -= len(seqs)
         for group in prefilling:
             self._schedule_chunks(group, out, budget)
@@ -247,8 +299,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         bm = self.block_manager
+        adapters = self._running_adapters()
+        deferred: List[SequenceGroup] = []
         while self.waiting and budget.tokens > 0:
             group = self.waiting[0]
+            if not self._adapter_fits(group, adapters):
+                deferred.append(self.waiting.popleft())   # it waits for a slot; later requests may go first
+                continue
             status = bm.can_allocate(group)
             if status == AllocStatus.NEVER:
                 self.waiting.popleft()
@@ -269,7 +326,21 @@ class Scheduler:
             self._append_slots(group, out)
             budget.seqs += group.max_num_running_seqs()
             self.running.append(group)
+            adapters.add(group.lora_int_id)
             self._schedule_chunks(group, out, budget)
+        self.waiting.extendleft(reversed(deferred))
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def _running_adapters(self) -> set:
+        """The adapter ids of the running requests (0, the base model, included when present)."""
+        return {g.lora_int_id for g in self.running}
+
+    def _adapter_fits(self, group: SequenceGroup, adapters: set) -> bool:
+        """A request may run with the running ones unless it brings one adapter too many (`max_loras`)."""
+        lora_id = group.lora_int_id
+        if lora_id == 0 or lora_id in adapters or self.max_loras is None:
+            return True
+        return len(adapters - {0}) < self.max_loras
 
     def _fail_unschedulable_head(self, out: SchedulerOutput) -> None:
         """Nothing runs and nothing could be scheduled: the head request would wait forever for a cache

@@ -9,18 +9,26 @@ from typing import Dict, List, Tuple
 from paged_backend.core.sequence import Sequence, SequenceGroup
 
 
-@dataclass
 class ScheduledSeq:
-    """One sequence's share of a step: tokens [seq.num_computed_tokens, + num_tokens)."""
+    """One sequence's share of a step: tokens [start, start + num_tokens), `start` being its computed count when
+    it was scheduled; `samples` when the chunk ends at its last token (pending ones included), so the step
+    samples its next one. Fixed at scheduling: the engine advances the sequence as soon as the step is launched."""
 
-    group: SequenceGroup
-    seq: Sequence
-    num_tokens: int
+    __slots__ = ("group", "seq", "num_tokens", "start", "samples")
+
+    def __init__(self, group: SequenceGroup, seq: Sequence, num_tokens: int) -> None:
+        self.group = group
+        self.seq = seq
+        self.num_tokens = num_tokens
+        self.start = seq.num_computed_tokens
+        self.samples = self.start + num_tokens == seq.len_with_pending
 
     @property
-    def samples(self) -> bool:
-        """The chunk ends at the sequence's last token, so the step samples its next one."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def __repr__(self) -> str:
+        return f"ScheduledSeq({self.group.request_id!r}, seq={self.seq.seq_id}, [{self.start}, {self.end}))"
 
 
 @dataclass

@@ -26,6 +26,8 @@ class SequenceStatus(enum.Enum):
                         SequenceStatus.FINISHED_ABORTED)
 
 
+_STOPPED, _LENGTH, _ABORTED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                               SequenceStatus.FINISHED_ABORTED)
 _seq_counter = itertools.count()
 
 
@@ -36,11 +38,16 @@ class Sequence:
     a prompt chunk, a recomputation after preemption and a decode step are the same thing here.
     """
 
-    def __init__(self, prompt_token_ids: List[int], seq_id: Optional[int] = None) -> None:
+    def __init__(self, prompt_token_ids: List[int], seq_id: Optional[int] = None,
+                 cache_salt: Optional[bytes] = None) -> None:
         self.seq_id = next(_seq_counter) if seq_id is None else seq_id
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: List[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # tokens that launched steps are sampling for this sequence and that are not appended yet (with
+        # overlapped scheduling the next step is scheduled before the previous one's token is known)
+        self.num_pending = 0
+        self.max_len: Optional[int] = None  # the length at which it certainly ends (max_tokens, the context)
         self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
@@ -54,6 +61,7 @@ class Sequence:
         self.detok_started = False
         self.stop_reason: Optional[object] = None
         self.block_hashes: List[bytes] = []
+        self.cache_salt = cache_salt  # the first block's hash starts from it (a LoRA adapter, a salt): no sharing across
         self.generator: Any = None  # this sequence's own RNG when the request has a seed (set by the engine)
         self.grammar: Any = None    # its structured-output matcher state (structured_matcher.GrammarState)
 
@@ -69,8 +77,17 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def len_with_pending(self) -> int:
+        """Its length once the tokens being sampled for it are appended, what its slots must cover; a pending
+        token that ends it (it reaches `max_len`) does not count: its K/V is never computed."""
+        length = len(self.token_ids) + self.num_pending
+        if self.num_pending and self.max_len is not None and length >= self.max_len:
+            return length - 1
+        return length
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.len_with_pending - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -82,7 +99,8 @@ class Sequence:
         self.cumulative_logprob += logprob
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        status = self.status  # identity tests: an enum's hash is a Python call
+        return status is _STOPPED or status is _LENGTH or status is _ABORTED
 
     def fork(self) -> "Sequence":
         """A copy with a new id, field by field: lists are copied, the grammar state forked, and the RNG left to
@@ -93,6 +111,8 @@ class Sequence:
         child.prompt_len = self.prompt_len
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_pending = self.num_pending
+        child.max_len = self.max_len
         child.max_computed_tokens = self.max_computed_tokens
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
@@ -106,6 +126,7 @@ class Sequence:
         child.detok_started = self.detok_started
         child.stop_reason = self.stop_reason
         child.block_hashes = list(self.block_hashes)
+        child.cache_salt = self.cache_salt
         child.generator = None
         child.grammar = None if self.grammar is None else self.grammar.fork()
         return child
@@ -131,7 +152,8 @@ class SequenceGroup:
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: List[int],
                  sampling_params: SamplingParams, arrival_time: Optional[float] = None,
-                 eos_token_ids: Optional[List[int]] = None) -> None:
+                 eos_token_ids: Optional[List[int]] = None, lora_request: Any = None,
+                 cache_salt: Optional[bytes] = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -139,7 +161,8 @@ class SequenceGroup:
         # the tokens that end this request's sequences: EOS unless ignored, then its stop_token_ids
         self.stop_ids: Tuple[int, ...] = ((() if sampling_params.ignore_eos else tuple(eos_token_ids or ()))
                                           + tuple(sampling_params.stop_token_ids))
-        self.seqs: List[Sequence] = [Sequence(self.prompt_token_ids)]
+        self.lora_request = lora_request   # the request's LoRA adapter (engine.lora_request.LoRARequest) or None
+        self.seqs: List[Sequence] = [Sequence(self.prompt_token_ids, cache_salt=cache_salt)]
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.branched = False       # the prompt's first sample has been forked into best_of / beam_width seqs
         self.beam_state: Any = None  # finished hypotheses of a beam search (set by the engine)
@@ -148,6 +171,12 @@ class SequenceGroup:
         self.fork_pending_len: Optional[int] = None
         self.error: Optional[str] = None
         self.num_preemptions = 0
+        self.sampling_plan: Any = None  # what the engine works out once about sampling its rows (token_processor)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
         if status is None:
@@ -167,7 +196,11 @@ class SequenceGroup:
         return self.num_unfinished_seqs()
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        for seq in self.seqs:
+            status = seq.status
+            if not (status is _STOPPED or status is _LENGTH or status is _ABORTED):
+                return False
+        return True
 
     def pending_forks(self) -> List[Sequence]:
         """Sequences waiting for the leader to recompute their common prefix before they fork from it."""

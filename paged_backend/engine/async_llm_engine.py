@@ -17,6 +17,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from paged_backend.engine.llm_engine import LLMEngine, PromptType
+from paged_backend.engine.lora_request import LoRARequest
 from paged_backend.errors import EngineClosedError, EngineDeadError
 from paged_backend.engine.metrics import EngineStats
 from paged_backend.engine.outputs import RequestOutput
@@ -91,14 +92,34 @@ class AsyncLLMEngine:
         """Token ids of a prompt, validated (`LLMEngine.encode`; blocking)."""
         return self.engine.encode(prompt, truncate, add_special_tokens)
 
-    def prepare(self, prompt: PromptType, params: SamplingParams) -> ValidatedRequest:
-        """A checked and prepared request for `generate` (`LLMEngine.prepare_request`; blocking: tokenizes and
-        compiles, so servers call it in a worker thread)."""
-        return self.engine.prepare_request(prompt, params)
+    def prepare(self, prompt: PromptType, params: SamplingParams, lora_request: Optional[LoRARequest] = None,
+                cache_salt: Optional[str] = None) -> ValidatedRequest:
+        """A checked and prepared request for `generate` (`LLMEngine.prepare_request`; blocking: tokenizes,
+        compiles and reads the adapter, so servers call it in a worker thread)."""
+        return self.engine.prepare_request(prompt, params, lora_request, cache_salt)
 
-    def prepare_many(self, prompts: Sequence[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
+    def prepare_many(self, prompts: Sequence[PromptType], params: SamplingParams,
+                     lora_request: Optional[LoRARequest] = None,
+                     cache_salt: Optional[str] = None) -> List[ValidatedRequest]:
         """Several prompts with the same params (`LLMEngine.prepare_requests`; blocking)."""
-        return self.engine.prepare_requests(prompts, params)
+        return self.engine.prepare_requests(prompts, params, lora_request, cache_salt)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter in a worker thread (`LLMEngine.add_lora`); False if already loaded."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """`LLMEngine.remove_lora` (requests still running with the adapter finish with it)."""
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> List[int]:
+        """`LLMEngine.list_loras`."""
+        return self.engine.list_loras()
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether requests may name LoRA adapters (`enable_lora`)."""
+        return self.engine.lora_enabled
 
     def max_new_tokens(self, prompt_len: int, num_branches: int = 1) -> int:
         """How many new tokens a prompt can still get (`LLMEngine.max_new_tokens`)."""
@@ -115,19 +136,21 @@ class AsyncLLMEngine:
         return self.engine.fit_request(request, default, param)
 
     async def generate(self, prompt: Union[PromptType, ValidatedRequest], params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None,
+                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step it takes part in; the last one is finished. `prompt` is a
         prompt (with `params`; checked in a worker thread, never on the event loop) or a `ValidatedRequest`
-        from `prepare` (queued as it is)."""
+        from `prepare` (queued as it is, with the adapter it was prepared with)."""
         self._check_open()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         if isinstance(prompt, ValidatedRequest):
-            if params is not None:
-                raise ValueError("a prepared request carries its own params; pass params=None")
+            if params is not None or lora_request is not None:
+                raise ValueError("a prepared request carries its own params and lora_request; pass neither")
             request = prompt
         else:
             params = SamplingParams() if params is None else params
-            request = await asyncio.get_running_loop().run_in_executor(None, self.prepare, prompt, params)
+            request = await asyncio.get_running_loop().run_in_executor(None, self.prepare, prompt, params,
+                                                                       lora_request)
             self._check_open()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

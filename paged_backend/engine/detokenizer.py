@@ -11,6 +11,58 @@ _CONTEXT_TOKENS = 5   # tokens decoded before the new ones, so that merges and s
 _WINDOW_TOKENS = 16   # the decoded window grows to this many tokens before it slides forward
 
 
+class BatchDecoder:
+    """Decodes many token lists at once: one `decode_batch` call of the tokenizers library where the tokenizer is
+    a fast one whose `decode` adds nothing to it (no clean-up of spaces), one `tokenizer.decode` per list
+    otherwise, so the text is the same either way."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.backend = _plain_backend(tokenizer)
+
+    def decode(self, windows: List[List[int]], skip_special_tokens: bool) -> List[str]:
+        if not windows:
+            return []
+        if self.backend is not None:
+            return self.backend.decode_batch(windows, skip_special_tokens=skip_special_tokens)
+        return [self.tokenizer.decode(w, skip_special_tokens=skip_special_tokens) for w in windows]
+
+    def decode_each(self, windows: List[List[int]], skips: List[bool]) -> List[str]:
+        """One text per window, each with its own `skip_special_tokens` (at most two batched calls)."""
+        if all(skips) or not any(skips):
+            return self.decode(windows, bool(skips and skips[0]))
+        texts: List[str] = [""] * len(windows)
+        for flag in (False, True):
+            rows = [i for i, skip in enumerate(skips) if skip == flag]
+            for i, text in zip(rows, self.decode([windows[i] for i in rows], flag)):
+                texts[i] = text
+        return texts
+
+
+def _plain_backend(tokenizer):
+    """The tokenizers-library object behind a transformers tokenizer whose `decode` is exactly its `decode`, or
+    None (no tokenizer, a slow one, a subclass with its own decoding, or a clean-up of spaces that applies)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode_batch"):
+        return None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, TokenizersBackend):   # a wrapper or another class: its own decode is the truth
+        return None
+    kind = type(tokenizer)
+    if kind.decode is not PreTrainedTokenizerBase.decode or kind._decode is not TokenizersBackend._decode:
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        bpe = type(backend.model).__name__ == "BPE"
+        if not bpe or getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                              False):
+            return None
+    return backend
+
+
 def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool) -> str:
     """Append the text of the sequence's newest tokens to `seq.output_text`; returns the new piece.
 
@@ -18,26 +70,51 @@ def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool) -> str:
     and the window (context, then everything since) slides forward only every few tokens."""
     if tokenizer is None:
         return ""
-    ids = seq.token_ids
-    if not seq.detok_started:
+    return decode_new_texts(BatchDecoder(tokenizer), [seq], [skip_special_tokens])[0]
+
+
+def decode_new_texts(decoder: BatchDecoder, seqs: List[Sequence], skips: List[bool]) -> List[str]:
+    """`decode_new_text` for a step's sequences with batched decoding: the windows of the sequences that start
+    now, then every sequence's window, then the windows that slide forward, each one batched call. The
+    sequences are changed only once every decode of the first two calls has succeeded."""
+    started = [i for i, seq in enumerate(seqs) if not seq.detok_started]
+    prefix_texts = [seq.detok_prefix_text for seq in seqs]
+    prefix_offsets = [seq.detok_prefix_offset for seq in seqs]
+    if started:
+        for i in started:
+            prefix_offsets[i] = max(seqs[i].prompt_len - _CONTEXT_TOKENS, 0)
+        tails = decoder.decode_each([seqs[i].token_ids[prefix_offsets[i]:seqs[i].prompt_len] for i in started],
+                                    [skips[i] for i in started])
+        for i, text in zip(started, tails):
+            prefix_texts[i] = text
+    fulls = decoder.decode_each([seq.token_ids[start:] for seq, start in zip(seqs, prefix_offsets)], skips)
+    for i in started:
+        seq = seqs[i]
         seq.detok_started = True
         seq.detok_read_offset = seq.prompt_len
-        seq.detok_prefix_offset = max(seq.prompt_len - _CONTEXT_TOKENS, 0)
-        seq.detok_prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
-                                                 skip_special_tokens=skip_special_tokens)
-    prefix = seq.detok_prefix_text
-    full = tokenizer.decode(ids[seq.detok_prefix_offset:], skip_special_tokens=skip_special_tokens)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
-        return ""  # an incomplete UTF-8 character or a token with no text: wait for more
-    delta = full[len(prefix):]
-    seq.detok_read_offset = len(ids)
-    seq.detok_prefix_text = full
-    if seq.detok_read_offset - seq.detok_prefix_offset > _WINDOW_TOKENS:
-        seq.detok_prefix_offset = seq.detok_read_offset - _CONTEXT_TOKENS
-        seq.detok_prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
-                                                 skip_special_tokens=skip_special_tokens)
-    seq.output_text += delta
-    return delta
+        seq.detok_prefix_offset = prefix_offsets[i]
+        seq.detok_prefix_text = prefix_texts[i]
+    deltas: List[str] = []
+    sliding: List[int] = []
+    for i, (seq, full) in enumerate(zip(seqs, fulls)):
+        prefix = seq.detok_prefix_text
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            deltas.append("")  # an incomplete UTF-8 character or a token with no text: wait for more
+            continue
+        delta = full[len(prefix):]
+        seq.detok_read_offset = len(seq.token_ids)
+        seq.detok_prefix_text = full
+        if seq.detok_read_offset - seq.detok_prefix_offset > _WINDOW_TOKENS:
+            seq.detok_prefix_offset = seq.detok_read_offset - _CONTEXT_TOKENS
+            sliding.append(i)
+        seq.output_text += delta
+        deltas.append(delta)
+    if sliding:
+        texts = decoder.decode_each([seqs[i].token_ids[seqs[i].detok_prefix_offset:seqs[i].detok_read_offset]
+                                     for i in sliding], [skips[i] for i in sliding])
+        for i, text in zip(sliding, texts):
+            seqs[i].detok_prefix_text = text
+    return deltas
 
 
 def find_stop_string(text: str, new_len: int, stops: List[str]) -> Optional[tuple]:

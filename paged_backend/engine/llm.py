@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from paged_backend.engine.llm_engine import LLMEngine, PromptType
+from paged_backend.engine.lora_request import LoRARequest
 from paged_backend.engine.metrics import EngineStats
 from paged_backend.engine.outputs import RequestOutput
 from paged_backend.sampling_params import RequestOutputKind, SamplingParams
@@ -41,8 +42,11 @@ class LLM:
 
     def generate(self, prompts: Union[str, Sequence[str], Sequence[Sequence[int]]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = True) -> List[RequestOutput]:
-        """Outputs in the order of the prompts."""
+                 use_tqdm: bool = True,
+                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
+                 ) -> List[RequestOutput]:
+        """Outputs in the order of the prompts; `lora_request` is one adapter for every prompt or one per prompt
+        (None: the base model)."""
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -51,14 +55,36 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         params_list = self._final_only(params_list)
+        loras = self._per_prompt(lora_request, len(prompt_list))
         request_ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         try:
-            for rid, prompt, params in zip(request_ids, prompt_list, params_list):
-                self.engine.add_request(rid, prompt, params)
+            for rid, prompt, params, lora in zip(request_ids, prompt_list, params_list, loras):
+                self.engine.add_request(rid, prompt, params, lora_request=lora)
         except Exception:
             self.engine.abort_request([r for r in request_ids if r in self.engine.groups])
             raise
         return self._run(request_ids, use_tqdm)
+
+    @staticmethod
+    def _per_prompt(lora_request, count: int) -> List[Optional[LoRARequest]]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * count
+        loras = list(lora_request)
+        if len(loras) != count:
+            raise ValueError(f"got {len(loras)} lora requests for {count} prompts")
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`LLMEngine.add_lora`."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """`LLMEngine.remove_lora`."""
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> List[int]:
+        """`LLMEngine.list_loras`."""
+        return self.engine.list_loras()
 
     @staticmethod
     def _final_only(params_list: List[SamplingParams]) -> List[SamplingParams]:

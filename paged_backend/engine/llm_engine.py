@@ -15,9 +15,11 @@ from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_
 from paged_backend.config import EngineConfig
 from paged_backend.engine.detokenizer import stop_string_in_candidate
 from paged_backend.errors import EngineDeadError, InvalidRequest
-from paged_backend.engine.input_builder import prepare_inputs
+from paged_backend.engine.lora_manager import LoRAManager
+from paged_backend.engine.lora_request import LoRARequest
 from paged_backend.worker.loader import check_module_dtype
 from paged_backend.engine.metrics import Counters, EngineStats, cache_config_info, observe_phases
+from paged_backend.worker.lora_layers import LoRALayers
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.model_support import check_model_supported, uniform_window
 from paged_backend.engine.output_builder import OutputBuilder
@@ -26,10 +28,12 @@ from paged_backend.engine.request_intake import PromptType, RequestIntake, Valid
 from paged_backend.sampling.sampler import Sampler
 from paged_backend.sampling_params import RequestOutputKind, SamplingParams
 from paged_backend.core.scheduler import Scheduler
-from paged_backend.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from paged_backend.core.scheduler_output import ScheduledSeq
 from paged_backend.core.sequence import SequenceGroup, SequenceStatus
 from paged_backend.worker.sizing import KVCacheSize, size_kv_cache
 from paged_backend.worker.step_inputs import Runner
+from paged_backend.engine.step_loop import StepLoop
+from paged_backend.engine.step_pipeline import LaunchedStep, StepWorker
 from paged_backend.engine.streaming import DeltaTracker
 from paged_backend.engine.token_processor import TokenProcessor, sample_generator
 
@@ -60,8 +64,9 @@ def _max_model_len(model) -> int:
     return 2048
 
 
-class LLMEngine:
-    """The serving core: a scheduler and block manager over a paged KV cache and an HF model."""
+class LLMEngine(StepLoop):
+    """The serving core: a scheduler and block manager over a paged KV cache and an HF model; its step loop is
+    `StepLoop` (step_loop.py)."""
 
     def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
                  dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
@@ -88,7 +93,9 @@ class LLMEngine:
         self.sliding_window = uniform_window(self.model)  # every layer windowed: blocks behind it are released
         self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
                                           cache.watermark, cache.enable_prefix_caching, self.sliding_window)
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.loras = self._make_lora_manager()
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager,
+                                   self.config.lora.max_loras if self.loras is not None else None)
         self.runner = self._make_runner()
         self.kernels = kernels.kernels_in_use(self.device)  # which implementation runs each op (metrics, info)
         self.sampler = Sampler(self.config.seed)
@@ -98,10 +105,12 @@ class LLMEngine:
         self.errored: Optional[EngineDeadError] = None  # set when the engine cannot run another step
         self._deltas: Dict[str, DeltaTracker] = {}       # requests that want delta / final-only outputs
         self.intake = RequestIntake(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
-                                    self.config, self.block_manager, self.sliding_window)
+                                    self.config, self.block_manager, self.sliding_window, self.loras)
         self._cache_info = cache_config_info(self.config.cache, self.kv_size, self.sliding_window)
         self.tokens = TokenProcessor(self.block_manager, self.sampler, self.tokenizer,
                                      self.counters, self.eos_token_ids, self.max_model_len)
+        self._worker = StepWorker(threaded=self.config.scheduler.async_scheduling)
+        self._inflight: Optional[LaunchedStep] = None   # the step launched ahead (overlapped scheduling)
 
     # ---- construction ------------------------------------------------------------------------
     @staticmethod
@@ -121,6 +130,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len={wanted} exceeds the model's context of {limit} tokens")
         return wanted or limit
 
+    def _make_lora_manager(self) -> Optional[LoRAManager]:
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported: LoRA adapters run on a "
+                             "single device")
+        return LoRAManager(lora, self.model)
+
     def _make_runner(self) -> Runner:
         tp = self.config.parallel.tensor_parallel_size
         if tp > 1:
@@ -133,7 +151,9 @@ class LLMEngine:
         cache = CacheEngine(self.geometry, self.config.cache.block_size, self.kv_size.num_blocks,
                             self.kv_size.num_swap_blocks,
                             kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype), self.device)
-        return ModelRunner(self.model, cache, compile=self.config.compilation.compile)
+        lora = self.config.lora
+        layers = LoRALayers(self.model, lora.max_loras, lora.max_lora_rank) if self.loras is not None else None
+        return ModelRunner(self.model, cache, layers, compile=self.config.compilation.compile)
 
     # ---- requests ----------------------------------------------------------------------------
     @property
@@ -151,16 +171,20 @@ class LLMEngine:
         names a token in its logprobs."""
         return "" if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def prepare_requests(self, prompts: Seq[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
-        """Check requests once and do their preparation (tokenizing, token constraints, grammar compilation):
-        one `ValidatedRequest` per prompt, all with `params`, to pass to `add_request`; an `InvalidRequest`
-        saying why the engine would refuse them. Reads only configuration: safe while a step runs in another
-        thread, so servers call it off their event loop."""
-        return self.intake.validate(prompts, params)
+    def prepare_requests(self, prompts: Seq[PromptType], params: SamplingParams,
+                         lora_request: Optional[LoRARequest] = None,
+                         cache_salt: Optional[str] = None) -> List[ValidatedRequest]:
+        """Check requests once and do their preparation (tokenizing, token constraints, grammar compilation,
+        reading the LoRA adapter): one `ValidatedRequest` per prompt, all with `params`, to pass to
+        `add_request`; an `InvalidRequest` saying why the engine would refuse them. `cache_salt` (vLLM's) keeps
+        the requests' KV apart from others' in the prefix cache. Reads only configuration: safe while a step
+        runs in another thread, so servers call it off their event loop."""
+        return self.intake.validate(prompts, params, lora_request, cache_salt)
 
-    def prepare_request(self, prompt: PromptType, params: SamplingParams) -> ValidatedRequest:
+    def prepare_request(self, prompt: PromptType, params: SamplingParams, lora_request: Optional[LoRARequest] = None,
+                        cache_salt: Optional[str] = None) -> ValidatedRequest:
         """`prepare_requests` for one prompt."""
-        return self.intake.validate([prompt], params)[0]
+        return self.intake.validate([prompt], params, lora_request, cache_salt)[0]
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
         """Token ids of a prompt, or an `InvalidRequest` saying why the engine would refuse the request.
@@ -184,24 +208,29 @@ class LLMEngine:
         return self.intake.fit_request(request, default, param)
 
     def add_request(self, request_id: str, prompt: Union[PromptType, ValidatedRequest],
-                    params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None) -> None:
-        """Queue a request: a prompt and its params (checked here), or a `ValidatedRequest` from
-        `prepare_request` (queued as it is); raises ValueError for bad input or a prompt that can never fit."""
+                    params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
+        """Queue a request: a prompt and its params (checked here) and LoRA adapter, or a `ValidatedRequest`
+        from `prepare_request` (queued as it is); raises ValueError for bad input, an adapter that cannot be
+        loaded or a prompt that can never fit."""
         if self.errored is not None:
             raise EngineDeadError(f"the engine cannot take requests: {self.errored}")
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if isinstance(prompt, ValidatedRequest):
-            if params is not None:
-                raise InvalidRequest("a prepared request carries its own params; pass params=None", param="params")
+            if params is not None or lora_request is not None:
+                raise InvalidRequest("a prepared request carries its own params and lora_request; pass neither",
+                                     param="params" if params is not None else "lora_request")
             request = prompt
         else:
-            request = self.prepare_request(prompt, SamplingParams() if params is None else params)
+            request = self.prepare_request(prompt, SamplingParams() if params is None else params, lora_request)
         self._queue(request_id, request, arrival_time)
 
     def _queue(self, request_id: str, request: ValidatedRequest, arrival_time: Optional[float]) -> None:
         params, ids = request.engine_params(), request.prompt_token_ids
-        group = SequenceGroup(request_id, request.prompt, ids, params, arrival_time, self.eos_token_ids)
+        group = SequenceGroup(request_id, request.prompt, ids, params, arrival_time, self.eos_token_ids,
+                              lora_request=request.lora_request, cache_salt=request.cache_key())
+        group.seqs[0].max_len = self._max_length(group)
         if params.seed is not None:
             group.seqs[0].generator = sample_generator(params.seed, 0)
         group.seqs[0].grammar = request.grammar_state()
@@ -235,6 +264,8 @@ class LLMEngine:
             group = self.scheduler.abort(rid)
             if group is not None:
                 outputs.append(self._finalize(group))
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            self._drain()  # the step launched ahead ran only aborted requests: nothing runs once the engine is idle
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -243,55 +274,16 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()
 
-    # ---- one step ----------------------------------------------------------------------------
-    def step(self) -> List[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that moved.
-
-        A failure belongs to the request that caused it: an error while sampling or stopping one request
-        fails that request only; a failed forward fails the step's requests and the others go on. Only a
-        runner that cannot continue (`EngineDeadError`) fails everything, and the error is raised."""
-        if self.errored is not None:
-            raise EngineDeadError(f"the engine cannot run: {self.errored}")
-        sched = self.scheduler.schedule()
-        outputs = [self._finalize(g) for g in sched.failed]
-        for group in sched.failed:
-            logger.error("request %r failed: %s", group.request_id, group.error)
-        if sched.scheduled or sched.blocks_to_swap_in or sched.blocks_to_swap_out or sched.blocks_to_copy:
-            used = self.block_manager.num_blocks - self.block_manager.get_num_free_blocks()
-            self.counters.peak_used_blocks = max(self.counters.peak_used_blocks, used)
-            inputs = self._step_inputs(sched)
-            if inputs.num_tokens:
-                self.counters.observe("iteration_tokens", inputs.num_tokens)
-            try:
-                logits = self.runner.execute(inputs)
-            except EngineDeadError as exc:
-                self._die(exc)
-                raise
-            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the others go on
-                return outputs + self._fail_step(sched, exc)
-            self.tokens.process(sched, logits)
-            self.counters.num_steps += 1
-        self.scheduler.free_finished()
-        return outputs + self._outputs_of(sched.scheduled)
-
-    def _step_inputs(self, sched: SchedulerOutput):
-        inputs = prepare_inputs(sched.scheduled, self.block_manager.block_tables, self.config.cache.block_size)
-        if self.device.type != "cpu":  # the kernels check CPU tables themselves; a device's are checked here, on
-            # the host, before they are sent (so a hole is never read, and the device is not waited for)
-            kernels.check_block_reads(inputs.block_tables, inputs.context_lens, inputs.query_start_loc,
-                                      self.config.cache.block_size, self.block_manager.num_blocks, self.sliding_window)
-        inputs.swap_out, inputs.swap_in, inputs.copies = (sched.blocks_to_swap_out, sched.blocks_to_swap_in,
-                                                          sched.blocks_to_copy)
-        return inputs
-
     def _outputs_of(self, scheduled: List[ScheduledSeq]) -> List[RequestOutput]:
         """One output per request of the step: final (and forgotten) when it has finished or failed."""
         outputs, seen = [], set()
+        groups = self.groups
         for item in scheduled:
             group = item.group
-            if group.request_id in seen or group.request_id not in self.groups:
+            rid = group.request_id
+            if rid in seen or groups.get(rid) is not group:
                 continue
-            seen.add(group.request_id)
+            seen.add(rid)
             if group.is_finished():
                 output = self._finalize(group)
             elif group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
@@ -314,31 +306,11 @@ class LLMEngine:
             return None
         return tracker.update(output) if tracker.params.output_kind == RequestOutputKind.DELTA else output
 
-    # ---- failures ----------------------------------------------------------------------------
-    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> List[RequestOutput]:
-        """The forward failed: its requests (every running one, and those swapped out by this step, whose
-        blocks may be half moved) fail; waiting and earlier swapped requests are untouched."""
-        error = f"the model step failed: {type(exc).__name__}: {exc}"
-        logger.error("step failed; failing the %d requests it ran", len(self.scheduler.running), exc_info=exc)
-        victims = list(self.scheduler.running) + [g for g in sched.preempted if g in self.scheduler.swapped]
-        for group in victims:
-            self.scheduler.fail(group, error)
-        return [self._finalize(group) for group in victims]
-
-    def _die(self, exc: EngineDeadError) -> None:
-        """The runner cannot continue: every request fails and the engine takes no more."""
-        self.errored = exc
-        logger.error("the engine cannot continue: %s", exc)
-        for group in list(self.groups.values()):
-            self.scheduler.fail(group, f"the engine failed: {exc}")
-            self._finalize(group)
-
     # ---- outputs -----------------------------------------------------------------------------
     def _finalize(self, group: SequenceGroup) -> RequestOutput:
         """The last output of a finished, aborted or failed request (as its output_kind asks); forgets it."""
         group.metrics.finished_time = time.monotonic()
         self.groups.pop(group.request_id, None)
-        self.tokens.forget(group.request_id)
         output = self.outputs.build(group, final=True)
         aborted = any(seq.status == SequenceStatus.FINISHED_ABORTED for seq in group.seqs)
         if group.error is not None:
@@ -399,8 +371,43 @@ class LLMEngine:
             num_requests_aborted=self.counters.num_requests_aborted,
             swap_usage=1.0 - bm.get_num_free_swap_blocks() / bm.num_swap_blocks if bm.num_swap_blocks else 0.0,
             finish_reasons=dict(self.counters.finish_reasons),
-            histograms=self.counters.histogram_snapshots(), cache_config=self._cache_info)
+            histograms=self.counters.histogram_snapshots(), cache_config=self._cache_info,
+            lora_info=self._lora_info(), num_lora_loads=self.loras.num_slot_loads if self.loras is not None else 0,
+            timestamp=time.time())
+
+    def _lora_info(self) -> Dict[str, str]:
+        """vLLM's `lora_requests_info` labels: the slots, and the adapters of running and of waiting requests."""
+        sch = self.scheduler
+        names = LoRAManager.adapter_names
+        return {"max_lora": str(self.config.lora.max_loras if self.loras is not None else 0),
+                "running_lora_adapters": names(sch.running),
+                "waiting_lora_adapters": names(list(sch.waiting) + list(sch.swapped))}
+
+    # ---- LoRA adapters (vLLM's names) --------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests; False if it was loaded already."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests still running with it read it again if they need it)."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> List[int]:
+        """The ids of the adapters held on the host."""
+        return self._lora_manager().list() if self.loras is not None else []
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether requests may name LoRA adapters (`enable_lora`)."""
+        return self.loras is not None
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled: build the engine with enable_lora=True")
+        return self.loras
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""
+        self._drain()
+        self._worker.shutdown()
         self.runner.shutdown()

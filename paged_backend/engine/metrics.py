@@ -135,6 +135,11 @@ class EngineStats:
     histograms: Dict[str, HistogramSnapshot] = field(default_factory=dict)
     # the implementation each kernel runs: {"attention": "triton" | "cpp" | "torch", "sampler": "cpp" | "torch"}
     kernels: Dict[str, str] = field(default_factory=dict)
+    # LoRA adapters as label values (vLLM's `lora_requests_info`): max_lora, running_lora_adapters,
+    # waiting_lora_adapters (comma-separated adapter names)
+    lora_info: Dict[str, str] = field(default_factory=dict)
+    num_lora_loads: int = 0         # adapters moved into a device slot (LRU swap-ins)
+    timestamp: float = 0.0          # wall-clock time of the snapshot (the value of vLLM's lora_requests_info)
 
     def as_dict(self) -> Dict[str, float]:
         return asdict(self)

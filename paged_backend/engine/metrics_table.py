@@ -14,6 +14,9 @@ from typing import Dict, Iterator, Optional, Tuple
 from paged_backend.engine.metrics import EngineStats, HistogramSnapshot
 
 GAUGE, COUNTER, HISTOGRAM, INFO = "gauge", "counter", "histogram", "info"  # info: a gauge of 1, labelled
+# state: a gauge whose labels describe the engine's current state and whose value is the time it was reported
+# (vLLM's lora_requests_info: a series per label set, the newest one current, as inference gateways read it)
+STATE = "state"
 FINISH_REASON = "finished_reason"
 
 
@@ -21,7 +24,8 @@ FINISH_REASON = "finished_reason"
 class MetricSpec:
     """One exported metric. `source` is an `EngineStats` field; for histograms a key of
     `EngineStats.histograms`; with `label`, a dict field whose keys become that label's values; for INFO a
-    dict field of label names and values (exported as a gauge of 1)."""
+    dict field of label names and values (exported as a gauge of 1); for STATE a dict field of label names and
+    values, exported as a gauge valued at the snapshot's `timestamp`."""
 
     name: str
     help: str
@@ -90,6 +94,8 @@ METRICS: Tuple[MetricSpec, ...] = (
     _ours("time_per_output_token_seconds", "Time between a request's successive steps with new tokens", HISTOGRAM,
           "time_per_output_token_seconds"),
     _ours("e2e_request_latency_seconds", "Arrival to finish, per request", HISTOGRAM, "e2e_request_latency_seconds"),
+    _ours("lora_slot_loads", "LoRA adapters moved into a device slot (the first use of an adapter, or its turn "
+          "again after the slot went to another)", COUNTER, "num_lora_loads"),
     _ours("kernel_info", "The kernels in use: attention triton, cpp or torch; sampler cpp or torch (torch when the "
           "C++ kernels could not be built)", INFO, "kernels"),
     # ---- vLLM's names for the same values ----
@@ -141,6 +147,7 @@ METRICS: Tuple[MetricSpec, ...] = (
     _vllm("request_params_max_tokens", "Histogram of the max_tokens request parameter", HISTOGRAM,
           "request_params_max_tokens"),
     _vllm("cache_config_info", "Information of the LLMEngine CacheConfig", INFO, "cache_config"),
+    _vllm("lora_requests_info", "Running stats on lora requests.", STATE, "lora_info"),
 )
 
 
@@ -157,8 +164,13 @@ def labelled_values(spec: MetricSpec, stats: EngineStats) -> Iterator[Tuple[str,
 
 
 def info_labels(spec: MetricSpec, stats: EngineStats) -> Dict[str, str]:
-    """The label names and values of an INFO metric."""
+    """The label names and values of an INFO or STATE metric."""
     return dict(getattr(stats, spec.source))
+
+
+def state_value(stats: EngineStats) -> float:
+    """The value of a STATE metric's current series: the snapshot's wall-clock time (vLLM sets it so too)."""
+    return float(stats.timestamp)
 
 
 def histogram(spec: MetricSpec, stats: EngineStats) -> HistogramSnapshot:

@@ -9,16 +9,22 @@ Fronts validate in worker threads and hand the result on, so nothing is tokenize
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple, Union
 
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.config import EngineConfig
+from paged_backend.engine.lora_manager import refuse_lora
+from paged_backend.engine.lora_request import LoRARequest
 from paged_backend.errors import CannotFit, InvalidParameter, InvalidRequest, PromptTooLong
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.structured.compiler import CompiledConstraint, compiler_for
 from paged_backend.structured.matcher import GrammarState
 from paged_backend.sampling.token_constraints import constraint_processors
+
+if TYPE_CHECKING:
+    from paged_backend.engine.lora_manager import LoRAManager
 
 PromptType = Union[str, List[int]]
 # A text prompt is tokenized in growing prefixes (this many characters per context token first, then four
@@ -37,6 +43,8 @@ class ValidatedRequest:
     params: SamplingParams
     constraints: Tuple[Callable, ...] = ()
     grammar: Optional[CompiledConstraint] = None
+    lora_request: Optional[LoRARequest] = None   # its adapter (checked and read), None for the base model
+    cache_salt: Optional[str] = None             # vLLM's: prefix-cache blocks are shared only under the same salt
 
     def with_max_tokens(self, max_tokens: int) -> "ValidatedRequest":
         """The same request with `max_tokens` set (re-checked against the other parameters)."""
@@ -50,6 +58,15 @@ class ValidatedRequest:
             return self.params
         return self.params.replace(logits_processors=list(self.params.logits_processors) + list(self.constraints))
 
+    def cache_key(self) -> Optional[bytes]:
+        """Where the prompt's block hashes start: the adapter and the salt, or None (the shared root)."""
+        if self.lora_request is None and self.cache_salt is None:
+            return None
+        digest = hashlib.sha256(self.lora_request.cache_key() if self.lora_request is not None else b"base")
+        if self.cache_salt is not None:
+            digest.update(b"\0salt\0" + self.cache_salt.encode("utf-8"))
+        return digest.digest()
+
     def grammar_state(self) -> Optional[GrammarState]:
         """A fresh matcher for the request's grammar (None without structured outputs)."""
         return GrammarState(self.grammar) if self.grammar is not None else None
@@ -59,7 +76,8 @@ class RequestIntake:
     """What the engine checks before it queues a request."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: List[int],
-                 config: EngineConfig, block_manager: BlockManager, sliding_window: Optional[int]) -> None:
+                 config: EngineConfig, block_manager: BlockManager, sliding_window: Optional[int],
+                 loras: Optional["LoRAManager"] = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -67,6 +85,7 @@ class RequestIntake:
         self.config = config
         self.block_manager = block_manager
         self.sliding_window = sliding_window
+        self.loras = loras
         self._max_prompt_chars: Optional[int] = None
         _ = self.max_prompt_chars  # reads the whole vocabulary (a few hundred ms holding the GIL): not mid-serving
 
@@ -125,10 +144,12 @@ class RequestIntake:
             size *= 4
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def validate(self, prompts: Sequence[PromptType], params: SamplingParams) -> List[ValidatedRequest]:
-        """One `ValidatedRequest` per prompt (all with `params`; the parameters' work is done once), or an
-        `InvalidRequest` saying why the engine would refuse them (`PromptTooLong`, `CannotFit`,
-        `InvalidParameter`). Reads only configuration, so it is safe to call while a step runs in another thread."""
+    def validate(self, prompts: Sequence[PromptType], params: SamplingParams,
+                 lora_request: Optional[LoRARequest] = None, cache_salt: Optional[str] = None) -> List[ValidatedRequest]:
+        """One `ValidatedRequest` per prompt (all with `params`, `lora_request` and `cache_salt`; the work is done
+        once), or an `InvalidRequest` saying why the engine would refuse them (`PromptTooLong`, `CannotFit`,
+        `InvalidParameter`, an adapter that cannot be read or does not fit the model). Reads only configuration
+        (and the adapter's files), so it is safe to call while a step runs in another thread."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}", param="params")
         ids = [self._prompt_ids(prompt, params) for prompt in prompts]
@@ -139,8 +160,19 @@ class RequestIntake:
                             param="beam_width" if params.use_beam_search else "best_of")
         constraints = tuple(constraint_processors(params, self.tokenizer, self.vocab_size))
         grammar = self.compile_grammar(params)  # an invalid schema, regex or grammar is an InvalidParameter
-        return [ValidatedRequest(prompt if isinstance(prompt, str) else None, prompt_ids, params, constraints, grammar)
+        self._check_lora(lora_request)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameter(f"cache_salt must be a non-empty string, got {cache_salt!r}", param="cache_salt")
+        return [ValidatedRequest(prompt if isinstance(prompt, str) else None, prompt_ids, params, constraints, grammar,
+                                 lora_request, cache_salt)
                 for prompt, prompt_ids in zip(prompts, ids)]
+
+    def _check_lora(self, lora_request: Optional[LoRARequest]) -> None:
+        """The adapter read and fitted to the model, or refused (LoRA not enabled, unreadable, not fitting)."""
+        if self.loras is None:
+            refuse_lora(lora_request)
+        elif lora_request is not None:
+            self.loras.check(lora_request)
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> List[int]:
         """Token ids of a prompt (truncated as `params.truncate_prompt_tokens` says), or the `InvalidRequest`

@@ -1,26 +1,30 @@
-"""After the forward: sampled tokens become sequences' tokens (forks for samples and beams, grammar states,
-detokenization, stop conditions), each request's part guarded so that an error fails that request alone."""
+"""Around the forward: a launched step's chunks count as computed and its sampling rows get a pending token
+(`launch`); once its results are in, the sampled tokens become sequences' tokens (forks for samples and beams,
+grammar states, one batched detokenization, stop conditions), each request's part guarded so that an error
+fails that request alone (`process`)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
-from typing import Callable, Dict, List
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
 from paged_backend.engine.beam_forks import apply_beam_decisions
 from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.engine.detokenizer import cut_at_stop, decode_new_text, find_stop_string
+from paged_backend.engine.detokenizer import BatchDecoder, cut_at_stop, decode_new_texts, find_stop_string
 from paged_backend.engine.metrics import Counters
-from paged_backend.sampling.sampler import SampleRequest, SampleResult, Sampler
+from paged_backend.sampling.sampler import SampleBatch, SampleRequest, SampleResult, Sampler, needs_processing
 from paged_backend.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_backend.structured.matcher import accept_grammar
 
 logger = logging.getLogger("paged_backend.engine")
+
 
 
 def sample_generator(seed: int, index: int) -> torch.Generator:
@@ -32,22 +36,50 @@ def sample_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little"))
 
 
+@dataclass(frozen=True)
+class SamplingPlan:
+    """What every step of a request's rows needs, worked out once: beam search or not, the ids masked before
+    `min_tokens`, and whether its rows go through the sampler's per-row processing."""
+
+    beams: bool
+    blocked: tuple
+    processed: bool
+
+    @classmethod
+    def of(cls, group: SequenceGroup) -> "SamplingPlan":
+        plan = group.sampling_plan
+        if plan is None:
+            params = group.sampling_params
+            blocked = group.stop_ids if params.min_tokens else ()
+            plan = group.sampling_plan = cls(params.use_beam_search, blocked,
+                                             needs_processing(params, blocked, group.seqs[0].grammar))
+        return plan
+
+
+@dataclass
+class StepRows:
+    """Which of a launched step's chunks sample, in the order of the logits rows, and how."""
+
+    samplers: List[ScheduledSeq] = field(default_factory=list)
+    normal: List[int] = field(default_factory=list)      # rows sampled by the sampler
+    beams: List[int] = field(default_factory=list)       # rows scored by beam search
+    requests: List[SampleRequest] = field(default_factory=list)  # one per normal row
+    registered: List[tuple] = field(default_factory=list)  # prefix-cache entries added when it was launched
+    needs_processing: bool = False   # the next step must not be scheduled before this one is processed
+
+
 class TokenProcessor:
-    """Applies one step's logits to the scheduled sequences: sampling, beam search, stops, bookkeeping."""
+    """Applies one step's results to the scheduled sequences: sampling, beam search, stops, bookkeeping."""
 
     def __init__(self, block_manager: BlockManager, sampler: Sampler, tokenizer,
                  counters: Counters, eos_token_ids: List[int], max_model_len: int) -> None:
         self.block_manager = block_manager
         self.sampler = sampler
         self.tokenizer = tokenizer
+        self.decoder = BatchDecoder(tokenizer) if tokenizer is not None else None
         self.counters = counters
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self._token_step: Dict[str, int] = {}  # request -> step of its last generated token
-
-    def forget(self, request_id: str) -> None:
-        """The request ended: drop what is kept about it."""
-        self._token_step.pop(request_id, None)
 
     # ---- failures ----------------------------------------------------------------------------
     def fail_group(self, group: SequenceGroup, error: str) -> None:
@@ -66,73 +98,203 @@ class TokenProcessor:
         except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
             self.fail_group(group, f"{what} failed: {type(exc).__name__}: {exc}")
 
-    # ---- one step ------------------------------------------------------------------------------
-    def process(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Mark the step's chunks computed, then sample (or step the beam search of) every row that samples."""
-        samplers: List[ScheduledSeq] = []
+    # ---- launching a step ----------------------------------------------------------------------
+    def launch(self, sched: SchedulerOutput) -> StepRows:
+        """The step is about to run: its chunks count as computed (the next step may be scheduled before this one
+        ends) and their full blocks enter the prefix cache, the blocks behind a sliding window that no later token
+        reads are released (steps run in launch order, so a later step that takes one writes it after this one
+        read it), each sampling row gets a pending token, and the rows are sorted into sampled and beam rows."""
+        rows = StepRows()
+        counters = self.counters
+        caching = self.block_manager.prefix_cache is not None
+        block_size = self.block_manager.block_size
+        windowed = self.block_manager.sliding_window is not None
         now = time.monotonic()
         for item in sched.scheduled:
-            seq = item.seq
-            if item.samples:
-                samplers.append(item)
-            if item.num_tokens > 1 or seq.num_computed_tokens < seq.prompt_len:
-                self.counters.num_prompt_tokens += item.num_tokens
-            end = seq.num_computed_tokens + item.num_tokens
-            self.counters.num_recomputed_tokens += max(0, min(end, seq.max_computed_tokens) - seq.num_computed_tokens)
-            seq.max_computed_tokens = max(seq.max_computed_tokens, end)
+            seq, start, end = item.seq, item.start, item.start + item.num_tokens
+            if item.num_tokens > 1 or start < seq.prompt_len:
+                counters.num_prompt_tokens += item.num_tokens
+            if start < seq.max_computed_tokens:
+                counters.num_recomputed_tokens += min(end, seq.max_computed_tokens) - start
+                seq.max_computed_tokens = max(seq.max_computed_tokens, end)
+            else:
+                seq.max_computed_tokens = end
             seq.num_computed_tokens = end
-            self.block_manager.mark_computed(seq)
-            self.block_manager.release_out_of_window(seq)
-            if item.group.metrics.first_scheduled_time is None:
-                item.group.metrics.first_scheduled_time = now
-        rows = {id(item): i for i, item in enumerate(samplers)}
-        normal = [item for item in samplers if not item.group.sampling_params.use_beam_search]
-        if normal:  # every row in order (the usual case) needs no gathered copy of the logits
-            self._sample(normal, logits if len(normal) == len(samplers) else
-                         logits[[rows[id(item)] for item in normal]])
-        beams = [item for item in samplers if item.group.sampling_params.use_beam_search]
-        if beams:
-            self._beam_search(beams, logits[[rows[id(item)] for item in beams]])
+            if caching and (item.num_tokens > 1 or end % block_size == 0):  # else no block became full
+                rows.registered += self.block_manager.mark_computed(seq, end)
+            if windowed:
+                self.block_manager.release_out_of_window(seq, end)
+            metrics = item.group.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            if item.samples:
+                seq.num_pending += 1
+                rows.samplers.append(item)
+        for i, item in enumerate(rows.samplers):
+            group = item.group
+            plan = group.sampling_plan or SamplingPlan.of(group)
+            if plan.beams:
+                rows.beams.append(i)
+                rows.needs_processing = True
+                continue
+            rows.normal.append(i)
+            params = group.sampling_params
+            if group.branched:
+                samples = 1
+            else:
+                samples = params.best_of
+                rows.needs_processing = rows.needs_processing or samples > 1
+            rows.needs_processing = rows.needs_processing or plan.processed
+            rows.requests.append(SampleRequest(params, item.seq, samples, item.seq.generator, plan.blocked,
+                                               plan.processed))
+        return rows
 
-    def _sample_request(self, item: ScheduledSeq) -> SampleRequest:
-        group = item.group
-        params = group.sampling_params
-        return SampleRequest(params, item.seq, 1 if group.branched else params.best_of, item.seq.generator,
-                             group.stop_ids if params.min_tokens else ())
+    def sample(self, rows: StepRows, logits: torch.Tensor, defer_logprobs: bool = False) -> SampleBatch:
+        """The sampler's draws for the step's sampled rows (the rows in order need no gathered copy); greedy
+        rows may leave their log-probabilities to `process` (`defer_logprobs`)."""
+        if len(rows.normal) != len(rows.samplers):
+            logits = logits[rows.normal]
+        return self.sampler.sample_batch(logits, rows.requests, defer_logprobs)
 
-    def _sample(self, items: List[ScheduledSeq], logits: torch.Tensor) -> None:
-        """Sample every row at once, then apply the results request by request: a request with a failed row
-        fails and none of its rows' results is applied; the other requests' results are exactly what they would
-        be without it (the sampler isolates rows; nothing is sampled twice)."""
-        requests = [self._sample_request(item) for item in items]
+    # ---- processing a step -------------------------------------------------------------------------
+    def process(self, sched: SchedulerOutput, rows: StepRows, logits: Optional[torch.Tensor],
+                batch: Optional[SampleBatch], sample_error: Optional[BaseException] = None) -> None:
+        """Register the blocks the step completed, then apply its draws (and step the beam searches)."""
+        bm = self.block_manager
+        if bm.prefix_cache is not None:  # a block completed by a token that was pending at launch (a decode row)
+            for item in sched.scheduled:
+                end = item.start + item.num_tokens
+                if item.num_tokens == 1 and end % bm.block_size == 0:
+                    bm.mark_computed(item.seq, end)
+        for item in rows.samplers:
+            item.seq.num_pending -= 1
+        if rows.normal:
+            items = [rows.samplers[i] for i in rows.normal]
+            if sample_error is not None or batch is None:
+                exc = sample_error or RuntimeError("no draws")
+                for item in items:  # a batched stage failed for no single row: the step's rows fail
+                    self.fail_group(item.group, f"sampling failed: {type(exc).__name__}: {exc}")
+            else:
+                self._apply_draws(items, batch)
+        if rows.beams:
+            self._beam_search([rows.samplers[i] for i in rows.beams], logits[rows.beams])
+
+    def _apply_draws(self, items: List[ScheduledSeq], batch: SampleBatch) -> None:
+        """Apply the results request by request: a request with a failed row fails and none of its rows' results
+        is applied; the other requests' results are exactly what they would be without it (the sampler isolates
+        rows; nothing is sampled twice). A row whose sequence has ended since it was launched (it stopped in the
+        step before, or was aborted) computed its token in vain: it is dropped."""
+        batch.complete()
+        failures = batch.failures
+        for i, message in failures.items():
+            self.fail_group(items[i].group, f"sampling failed: {message}")
+        tokens, logprobs, offsets = batch.tokens, batch.logprobs, batch.offsets
+        extras = batch.top_logprobs or batch.scores
+        appended: List[ScheduledSeq] = []
+        for i, item in enumerate(items):
+            group, seq = item.group, item.seq
+            if group.error is not None or seq.is_finished():
+                continue
+            if not group.branched:
+                if group.sampling_params.best_of > 1:
+                    self._guarded(group, "generating the next token",
+                                  lambda item=item, result=batch.result(i): self._take_sample(item, result))
+                    continue
+                group.branched = True
+            token = tokens[offsets[i]]
+            if seq.grammar is not None and not self._accepts(group, seq, token):
+                continue
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += logprobs[offsets[i]]
+            if extras:
+                self._keep_extras(seq, batch, i)
+            appended.append(item)
+        self._note_tokens(appended)
+        self._finish_tokens(appended)
+
+    def _accepts(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
         try:
-            results = self.sampler.sample(logits, requests)
-        except Exception as exc:  # noqa: BLE001 - a batched stage failed for no single row: the step's rows fail
-            for item in items:
-                self.fail_group(item.group, f"sampling failed: {type(exc).__name__}: {exc}")
+            accept_grammar(seq, token)  # first: a refused token is not appended
+        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+            self.fail_group(group, f"generating the next token failed: {type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    @staticmethod
+    def _keep_extras(seq: Sequence, batch: SampleBatch, i: int, j: int = 0) -> None:
+        top = batch.top_logprobs.get(i)
+        if top is not None:
+            seq.output_logprobs.append(top[j])
+        scores = batch.scores.get(i)
+        if scores is not None:
+            seq.output_scores.append((scores[1], scores[0]))
+
+    def _note_tokens(self, items: List[ScheduledSeq]) -> None:
+        """Token counters and per-request times for the tokens just appended (one clock reading per step; the
+        time per output token is observed once per request and step)."""
+        if not items:
             return
-        for item, result in zip(items, results):
-            if result.error is not None:
-                self.fail_group(item.group, f"sampling failed: {result.error}")
-        for item, result in zip(items, results):
+        now = time.monotonic()
+        seen: Set[int] = set()
+        observe = self.counters.observe
+        for item in items:
+            metrics = item.group.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            elif id(metrics) not in seen:
+                observe("time_per_output_token_seconds", now - metrics.last_token_time)
+            seen.add(id(metrics))
+            metrics.last_token_time = now
+        self.counters.num_generated_tokens += len(items)
+
+    def _finish_tokens(self, items: List[ScheduledSeq]) -> None:
+        """One batched detokenization for the sequences that got a token, then each one's stop conditions."""
+        texts = self._new_texts(items)
+        for item, text in zip(items, texts):
             if item.group.error is None:
                 self._guarded(item.group, "generating the next token",
-                              lambda item=item, result=result: self._take_sample(item, result))
+                              lambda item=item, text=text: self._check_stop(item.group, item.seq, text))
+
+    def _new_texts(self, items: List[ScheduledSeq]) -> List[str]:
+        """The text each sequence's new token adds ("" without detokenization); a decode that fails fails its
+        request alone (the batch is retried one sequence at a time)."""
+        texts = [""] * len(items)
+        if self.decoder is None:
+            return texts
+        rows = [i for i, item in enumerate(items) if item.group.sampling_params.detokenize]
+        if not rows:
+            return texts
+        seqs = [items[i].seq for i in rows]
+        skips = [items[i].group.sampling_params.skip_special_tokens for i in rows]
+        try:
+            decoded = decode_new_texts(self.decoder, seqs, skips)
+        except Exception:  # noqa: BLE001 - find the request whose tokens do not decode
+            decoded = [self._decode_alone(items[i], seq, skip) for i, seq, skip in zip(rows, seqs, skips)]
+        for i, text in zip(rows, decoded):
+            texts[i] = text
+        return texts
+
+    def _decode_alone(self, item: ScheduledSeq, seq: Sequence, skip: bool) -> str:
+        try:
+            return decode_new_texts(self.decoder, [seq], [skip])[0]
+        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+            self.fail_group(item.group, f"generating the next token failed: {type(exc).__name__}: {exc}")
+            return ""
 
     def _take_sample(self, item: ScheduledSeq, result: SampleResult) -> None:
+        """The first sample of a request with `best_of > 1`: its sequence forks once per further draw."""
         group, seq = item.group, item.seq
-        if not group.branched:
-            group.branched = True
-            seed = group.sampling_params.seed
-            for j in range(1, len(result.token_ids)):
-                child = seq.fork()
-                child.generator = None if seed is None else sample_generator(seed, j)
-                self.block_manager.fork(seq, child)
-                group.seqs.append(child)
-                self._append(group, child, result, j)
+        group.branched = True
+        seed = group.sampling_params.seed
+        for j in range(1, len(result.token_ids)):
+            child = seq.fork()
+            child.generator = None if seed is None else sample_generator(seed, j)
+            self.block_manager.fork(seq, child)
+            group.seqs.append(child)
+            self._append(group, child, result, j)
         self._append(group, seq, result, 0)
 
-    def _append(self, group: SequenceGroup, seq: Sequence, result, j: int) -> None:
+    def _append(self, group: SequenceGroup, seq: Sequence, result: SampleResult, j: int) -> None:
         params = group.sampling_params
         accept_grammar(seq, result.token_ids[j])  # first: a refused token is not appended
         seq.append_token(result.token_ids[j], result.logprobs[j])
@@ -141,19 +303,27 @@ class TokenProcessor:
         if result.scores is not None:
             seq.output_scores.append((result.logits, result.scores))
         self._note_token(group)
-        new_text = decode_new_text(self.tokenizer, seq, params.skip_special_tokens) if params.detokenize else ""
+        new_text = ""
+        if params.detokenize and self.decoder is not None:
+            new_text = decode_new_texts(self.decoder, [seq], [params.skip_special_tokens])[0]
         self._check_stop(group, seq, new_text)
 
     def _note_token(self, group: SequenceGroup) -> None:
+        """One token of a forking or beam step (the time per output token is observed once per step)."""
         now = time.monotonic()
         metrics = group.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        elif self._token_step.get(group.request_id) != self.counters.num_steps:  # once per step and request
+        elif metrics.last_token_time is not None and metrics.last_token_time < self._step_start:
             self.counters.observe("time_per_output_token_seconds", now - metrics.last_token_time)
-        self._token_step[group.request_id] = self.counters.num_steps
         metrics.last_token_time = now
         self.counters.num_generated_tokens += 1
+
+    _step_start = 0.0
+
+    def begin(self) -> None:
+        """A step's processing starts (forks and beams observe their time per output token once per step)."""
+        self._step_start = time.monotonic()
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, new_text: str) -> None:
         params = group.sampling_params
@@ -161,11 +331,11 @@ class TokenProcessor:
         if seq.grammar is not None and seq.grammar.is_terminated:  # the structured output is complete
             seq.status = SequenceStatus.FINISHED_STOPPED
             return
-        if seq.num_output_tokens >= params.min_tokens:
+        if len(seq.token_ids) - seq.prompt_len >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
                 return
             if params.stop_strings and new_text:
@@ -176,9 +346,9 @@ class TokenProcessor:
                                                   params.include_stop_str_in_output)
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                     return
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and len(seq.token_ids) - seq.prompt_len >= params.max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH
-        elif len(seq) >= self.max_model_len:
+        elif len(seq.token_ids) >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
 
     # ---- beam search -------------------------------------------------------------------------

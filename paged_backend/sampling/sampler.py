@@ -52,6 +52,66 @@ class SampleRequest:
     num_samples: int = 1
     generator: Optional[torch.Generator] = None
     blocked_ids: Tuple[int, ...] = ()  # masked while fewer than min_tokens were generated
+    # False when the caller knows the row has no penalty, processor, grammar or min-tokens mask: the sampler then
+    # reads nothing of `seq` (so it may run while another thread appends to it)
+    processed: bool = True
+
+
+def needs_processing(params: SamplingParams, blocked_ids: Tuple[int, ...], grammar) -> bool:
+    """Whether a row of a request with these parameters goes through `apply_penalties` (penalties, min-tokens
+    masking, logits processors, a grammar)."""
+    return bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+                or blocked_ids or params.logits_processors or grammar is not None)
+
+
+@dataclass
+class SampleBatch:
+    """A step's draws as flat lists (row `i`'s draws are `tokens[offsets[i]:offsets[i + 1]]`) and the first draw
+    of every row as a tensor (what the next step's input ids are filled from); the rows' optional extras by row.
+    A batch of greedy rows may leave its log-probabilities to `complete` (`deferred`: the logits they come from),
+    so that the tokens are ready one pass over the logits earlier."""
+
+    tokens: List[int]
+    logprobs: Optional[List[float]]
+    offsets: List[int]
+    first_tokens: torch.Tensor                           # [rows] int64: each row's first draw (0 for failed rows)
+    failures: Dict[int, str]
+    top_logprobs: Dict[int, List[Dict[int, Logprob]]]    # rows that asked for logprobs
+    scores: Dict[int, Tuple[torch.Tensor, torch.Tensor]]  # rows with output_scores: (processed scores, raw logits)
+    deferred: Optional[torch.Tensor] = None              # greedy rows' float32 logits, log-probabilities to come
+
+    def complete(self) -> None:
+        """The deferred log-probabilities of greedy rows: each token's logit minus its row's log-normaliser."""
+        if self.deferred is None:
+            return
+        logits, self.deferred = self.deferred, None
+        self.logprobs = greedy_logprobs(logits, self.first_tokens, kernels.greedy_rows(logits).log_norm)
+
+    def result(self, i: int) -> "SampleResult":
+        """Row `i` as a `SampleResult`."""
+        if i in self.failures:
+            return SampleResult([], [], error=self.failures[i])
+        start, end = self.offsets[i], self.offsets[i + 1]
+        scores, logits = self.scores.get(i, (None, None))
+        return SampleResult(self.tokens[start:end], self.logprobs[start:end], self.top_logprobs.get(i), scores, logits)
+
+    def results(self) -> List["SampleResult"]:
+        self.complete()
+        return [self.result(i) for i in range(len(self.offsets) - 1)]
+
+
+def greedy_logprobs(logits: torch.Tensor, tokens: torch.Tensor, log_norm: torch.Tensor) -> List[float]:
+    """Each row's token's log-probability, `x[token] - log_norm` in float64 (as `sample_rows` computes it)."""
+    return (logits.gather(1, tokens[:, None])[:, 0].double() - log_norm).tolist()
+
+
+def plain_greedy(requests: List[SampleRequest]) -> bool:
+    """Every row is greedy with one draw and nothing else to compute: no processing, logprobs or scores."""
+    for r in requests:
+        p = r.params
+        if r.processed or r.num_samples != 1 or p.temperature >= 1e-6 or p.logprobs is not None or p.output_scores:
+            return False
+    return True
 
 
 @dataclass
@@ -72,6 +132,8 @@ def apply_penalties(logits: torch.Tensor, requests: List[SampleRequest],
     without it, and its own row is set to zeros (so that batched steps after this one see finite values).
     Returns the failed rows (row -> what went wrong)."""
     failures: Dict[int, str] = {}
+    if not any(r.processed for r in requests):
+        return failures
     for i, req in enumerate(requests):
         p = req.params
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or req.blocked_ids:
@@ -116,7 +178,7 @@ def _grammar_complete(seq: SampledSequence) -> bool:
 
 def apply_temperature(logits: torch.Tensor, requests: List[SampleRequest]) -> torch.Tensor:
     """Divide sampled rows by their temperature, in place (greedy rows are left as they are)."""
-    temps = [1.0 if r.params.is_greedy else r.params.temperature for r in requests]
+    temps = [1.0 if r.params.temperature < 1e-6 else r.params.temperature for r in requests]
     if any(t != 1.0 for t in temps):
         logits.div_(torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None])
     return logits
@@ -124,10 +186,11 @@ def apply_temperature(logits: torch.Tensor, requests: List[SampleRequest]) -> to
 
 def truncation_params(requests: List[SampleRequest]) -> tuple:
     """Per row: top_k (-1: none), top_p, min_p and whether the row is greedy, as tensors."""
-    top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
-    top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float64)
-    min_p = torch.tensor([r.params.min_p for r in requests], dtype=torch.float64)
-    greedy = torch.tensor([r.params.is_greedy for r in requests], dtype=torch.bool)
+    params = [r.params for r in requests]
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)
+    greedy = torch.tensor([p.temperature < 1e-6 for p in params], dtype=torch.bool)
     return top_k, top_p, min_p, greedy
 
 
@@ -148,10 +211,19 @@ class Sampler:
         return self.masker(logits.shape[1]) if any(r.seq.grammar is not None for r in requests) else None
 
     def sample(self, logits: torch.Tensor, requests: List[SampleRequest]) -> List[SampleResult]:
-        """One result per row. A row that cannot be sampled (a processor or its grammar failed, or nothing
-        finite is left to draw from) gets a result with `error` set and no tokens; every other row's tokens,
+        """One result per row (`sample_batch`, row by row)."""
+        return self.sample_batch(logits, requests).results()
+
+    def sample_batch(self, logits: torch.Tensor, requests: List[SampleRequest],
+                     defer_logprobs: bool = False) -> SampleBatch:
+        """Every row's draws. A row that cannot be sampled (a processor or its grammar failed, or nothing
+        finite is left to draw from) is in `failures` and draws nothing usable; every other row's tokens,
         log-probabilities and generator draws are exactly what they would be without that failure (each
-        stage treats rows independently, every row draws its uniforms, and nothing is sampled twice)."""
+        stage treats rows independently, every row draws its uniforms, and nothing is sampled twice).
+        A batch of plain greedy rows takes each row's first maximum in one batched call (`kernels.greedy_rows`);
+        with `defer_logprobs` their log-probabilities wait for `SampleBatch.complete`."""
+        if requests and plain_greedy(requests):
+            return self._greedy_batch(logits.to(torch.float32), defer_logprobs)
         raw = logits.to(torch.float32)
         keep_raw = any(r.params.output_scores for r in requests)
         scores = raw.clone() if keep_raw else raw
@@ -161,24 +233,36 @@ class Sampler:
         draws = kernels.sample_rows(scores, *truncation_params(requests), uniforms, offsets, allow_failed_rows=True)
         for row in draws.failed_rows:
             failures.setdefault(row, "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample")
+        offset_list = offsets.tolist()
         tokens, token_lps = draws.tokens.tolist(), draws.logprobs.tolist()
-        results = []
+        batch = SampleBatch(tokens, token_lps, offset_list, draws.tokens[offsets[:-1]], failures, {}, {})
         for i, req in enumerate(requests):
-            if failures and i in failures:
-                results.append(SampleResult([], [], error=failures[i]))
+            params = req.params
+            if (params.logprobs is None and not params.output_scores) or i in failures:
                 continue
-            row_tokens = tokens[int(offsets[i]):int(offsets[i + 1])]
-            row_lps = token_lps[int(offsets[i]):int(offsets[i + 1])]
-            result = SampleResult(row_tokens, row_lps)
-            if req.params.logprobs is not None:
-                top = self._top_logprobs(scores[i], int(draws.kept[i]), float(draws.log_norm[i]), req.params.logprobs)
-                result.top_logprobs = [{**top, t: Logprob(lp, top[t].rank if t in top else self._rank(scores[i], t))}
-                                       for t, lp in zip(row_tokens, row_lps)]
-            if req.params.output_scores:
-                result.scores = self._kept_scores(scores[i], int(draws.kept[i]))
-                result.logits = raw[i].clone()
-            results.append(result)
-        return results
+            row_tokens = tokens[offset_list[i]:offset_list[i + 1]]
+            if params.logprobs is not None:
+                row_lps = token_lps[offset_list[i]:offset_list[i + 1]]
+                top = self._top_logprobs(scores[i], int(draws.kept[i]), float(draws.log_norm[i]), params.logprobs)
+                batch.top_logprobs[i] = [{**top, t: Logprob(lp, top[t].rank if t in top else self._rank(scores[i], t))}
+                                         for t, lp in zip(row_tokens, row_lps)]
+            if params.output_scores:
+                batch.scores[i] = (self._kept_scores(scores[i], int(draws.kept[i])), raw[i].clone())
+        return batch
+
+    @staticmethod
+    def _greedy_batch(logits: torch.Tensor, defer_logprobs: bool) -> SampleBatch:
+        draws = kernels.greedy_rows(logits, with_norms=not defer_logprobs)
+        failures = {row: "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample"
+                    for row in draws.failed_rows}
+        first = draws.tokens.clamp(min=0) if failures else draws.tokens
+        rows = len(first)
+        batch = SampleBatch(first.tolist(), None, list(range(rows + 1)), first, failures, {}, {})
+        if defer_logprobs:
+            batch.deferred = logits
+        else:
+            batch.logprobs = greedy_logprobs(logits, first, draws.log_norm)
+        return batch
 
     @staticmethod
     def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, Logprob]:
@@ -210,7 +294,9 @@ class Sampler:
         counts = [r.num_samples for r in requests]
         offsets = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)
         uniforms = torch.zeros(int(offsets[-1]), dtype=torch.float64)
-        sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        sampled = [i for i, r in enumerate(requests) if r.params.temperature >= 1e-6]
+        if not sampled:
+            return uniforms, offsets
         shared = [i for i in sampled if requests[i].generator is None and requests[i].num_samples == 1]
         if shared:
             u = torch.rand(len(shared), 1, generator=self.generator, dtype=torch.float64)[:, 0]

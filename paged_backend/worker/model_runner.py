@@ -7,16 +7,19 @@ logits only for the rows that sample. The device side: it knows nothing of the s
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional
 
 import torch
 
+from paged_backend.kernels.lora import LoRAPlan, plan_lora
 from paged_backend.worker.attention import ATTENTION_NAME, AttentionMetadata, attention_context, register_attention
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.config import compile_mode
 from paged_backend.worker.compiled_forward import CompiledForward, eager_forward
+from paged_backend.worker.lora_layers import LoRALayers
 from paged_backend.worker.model_support import check_model_supported
 from paged_backend.worker.step_inputs import StepInputs
 
@@ -34,8 +37,10 @@ def attention_layers(model: torch.nn.Module) -> Dict[int, int]:
 class ModelRunner:
     """Runs steps of one model over its paged KV cache."""
 
-    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine, compile: object = False) -> None:
+    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine, lora: Optional[LoRALayers] = None,
+                 compile: object = False) -> None:
         check_model_supported(model)
+        self.lora = lora
         register_attention()
         self.model = model
         self.cache_engine = cache_engine
@@ -77,6 +82,7 @@ class ModelRunner:
         self.cache_engine.copy(inputs.copies)
         if inputs.num_tokens == 0:
             return torch.empty(0, 0)
+        lora_plan = self._lora_plan(inputs)
         inputs = inputs.to(self.device)
         metadata = AttentionMetadata(
             slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, context_lens=inputs.context_lens,
@@ -84,9 +90,24 @@ class ModelRunner:
             kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of, kv_scales=self.cache_engine.kv_scales)
         # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
         # inference tensors forbid outside inference mode.
-        with torch.no_grad(), attention_context(metadata), self._paged_attention():
+        with torch.no_grad(), attention_context(metadata), self._paged_attention(), self._lora_step(lora_plan):
             return self.forward(inputs.input_ids, inputs.positions, inputs.sample_indices)
 
+    def _lora_plan(self, inputs: StepInputs) -> Optional[LoRAPlan]:
+        """Fill the adapter slots the step asks for, and group its tokens by slot (None: no adapter tokens)."""
+        if inputs.lora is None:
+            return None
+        if self.lora is None:
+            raise ValueError("the step has LoRA tokens but this runner was built without LoRA (enable_lora)")
+        for slot, weights in inputs.lora.loads.items():
+            self.lora.load(slot, weights)
+        return plan_lora(inputs.lora.token_slots, self.device)
+
+    def _lora_step(self, plan: Optional[LoRAPlan]):
+        return self.lora.step(plan) if self.lora is not None else contextlib.nullcontext()
+
     def shutdown(self) -> None:
-        """Release the KV cache; the runner cannot run steps afterwards."""
+        """Release the KV cache (and take the LoRA hooks off the model); the runner cannot run steps afterwards."""
+        if self.lora is not None:
+            self.lora.remove()
         self.cache_engine.release()

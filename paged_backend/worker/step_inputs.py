@@ -8,9 +8,18 @@ module and nothing above it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Protocol, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
+
+
+@dataclass
+class LoRAStepInputs:
+    """The step's adapters: each token's adapter slot (-1: the base model; host int32 `[T]`), and the slots
+    to fill before the forward (slot -> `LoRAWeights` on the host, or None to empty it)."""
+
+    token_slots: torch.Tensor
+    loads: Dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -27,6 +36,7 @@ class StepInputs:
     swap_out: Dict[int, int] = field(default_factory=dict)
     swap_in: Dict[int, int] = field(default_factory=dict)
     copies: List[Tuple[int, int]] = field(default_factory=list)
+    lora: Optional[LoRAStepInputs] = None   # None: no token of the step has an adapter
 
     def to(self, device) -> "StepInputs":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,231 @@
+"""The engine's own cost per decode step, measured with stand-in runners (no model forward): part of the overhead
+benchmark, and on its own the study `paged-backend bench host-overhead` (its record names its own commit).
+
+For each batch size: `batch` greedy requests of `prompt_len` tokens are brought to decoding, then `host_steps`
+decode steps are timed one by one (the median is reported):
+- with a runner that returns ready logits (`ReadyLogitsRunner`), without overlapped scheduling: the engine's whole
+  host time per step, and where it goes (the step's phases timed by wrapping, as in the overhead benchmark);
+- the same with overlapped scheduling (`async_scheduling`), when the engine has it;
+- with a runner that sleeps `device_ms` first (standing for a device), without and with overlap: how much of the
+  engine's work stays outside the device's time.
+Each measurement runs on a fresh engine whose runner is replaced by the stand-in; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from paged_backend import LLMEngine, SamplingParams
+
+from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
+from paged_backend.benchmarks.micro.standin_runners import ReadyLogitsRunner
+
+# phase -> the (object, method) pairs of the engine timed as that phase; methods a version lacks are skipped
+HOST_PHASES = ("schedule", "block_manager", "prepare_inputs", "sampling", "tokens", "outputs", "free", "runner",
+               "other")
+
+
+class ExclusiveTimer:
+    """Seconds per phase, exclusive of the wrapped calls nested inside; one thread only."""
+
+    def __init__(self) -> None:
+        self.seconds: Dict[str, float] = defaultdict(float)
+        self.calls: Dict[str, int] = defaultdict(int)
+        self._nested: List[float] = []
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self.calls[phase] += 1
+            self._nested.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.seconds[phase] += elapsed - self._nested.pop()
+                if self._nested:
+                    self._nested[-1] += elapsed
+        return timed
+
+
+def _patches(engine: LLMEngine) -> list:
+    bm = engine.block_manager
+    patches = [(engine.scheduler, "schedule", "schedule"), (engine, "_step_inputs", "prepare_inputs"),
+               (engine.sampler, "sample", "sampling"), (engine.sampler, "sample_batch", "sampling"),
+               (engine.tokens, "launch", "tokens"), (engine.tokens, "process", "tokens"),
+               (engine, "_outputs_of", "outputs"), (engine.scheduler, "free_finished", "free"),
+               (engine.runner, "execute", "runner")]
+    patches += [(bm, name, "block_manager") for name in ("can_allocate", "allocate", "can_append_slots", "append_slots",
+                                                        "append_decode_slots", "free", "fork", "mark_computed")]
+    return [(obj, name, phase) for obj, name, phase in patches if hasattr(obj, name)]
+
+
+@contextlib.contextmanager
+def timed_phases(engine: LLMEngine, timer: ExclusiveTimer) -> Iterator[None]:
+    """Wrap the methods a step calls with `timer` (a step without overlap: everything runs in this thread)."""
+    patches = _patches(engine)
+    saved = [(obj, name, name in vars(obj), vars(obj).get(name)) for obj, name, _ in patches]
+    for obj, name, phase in patches:
+        setattr(obj, name, timer.wrap(phase, getattr(obj, name)))
+    try:
+        yield
+    finally:
+        for obj, name, had_own, own in reversed(saved):
+            if had_own:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)
+
+
+def has_overlap(engine_cls=LLMEngine) -> bool:
+    """Whether this engine version has overlapped scheduling (the option `async_scheduling`)."""
+    from paged_backend.config import ENGINE_OPTION_NAMES
+
+    return "async_scheduling" in ENGINE_OPTION_NAMES
+
+
+def _engine(model, tokenizer, batch: int, config, overlap: Optional[bool], device_ms: float) -> LLMEngine:
+    options = {} if overlap is None else {"async_scheduling": overlap}
+    steps = config.host_steps + 8
+    blocks = batch * (-(-(config.prompt_len + steps) // config.block_size) + 1) + 8
+    engine = LLMEngine(model, tokenizer, block_size=config.block_size, num_blocks=blocks, num_swap_blocks=0,
+                       max_num_seqs=max(256, batch), max_num_batched_tokens=max(2048, batch), seed=config.seed,
+                       **options)
+    engine.runner.shutdown()
+    engine.runner = ReadyLogitsRunner.for_engine(engine, device_ms)
+    return engine
+
+
+def _bring_to_decode(engine: LLMEngine, prompts: List[List[int]], max_tokens: int) -> None:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"h{i}", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens))
+    waiting = engine.scheduler.waiting
+    for _ in range(64):
+        engine.step()
+        if not waiting and all(s.num_computed_tokens >= s.prompt_len for g in engine.scheduler.running
+                               for s in g.seqs):
+            break
+    engine.step()  # one plain decode step more, so the timed ones are alike
+
+
+def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Optional[bool], device_ms: float,
+               timer: Optional[ExclusiveTimer] = None) -> dict:
+    """Median and spread of `host_steps` decode steps' wall times, on a fresh engine with a stand-in runner."""
+    engine = _engine(model, tokenizer, len(prompts), config, overlap, device_ms)
+    try:
+        _bring_to_decode(engine, prompts, config.host_steps + 8)
+        times = []
+        with timed_phases(engine, timer) if timer is not None else contextlib.nullcontext():
+            for _ in range(config.host_steps):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+        running = engine.get_stats().num_running
+        engine.abort_request(list(engine.groups))
+    finally:
+        engine.shutdown()
+    ms = sorted(1000 * t for t in times)
+    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "min_ms": ms[0], "max_ms": ms[-1],
+            "running": running}
+
+
+def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
+    """One batch size: the ready-logits step (with its phases) and the sleeping-runner step, without and with
+    overlapped scheduling (the latter only when the engine has it)."""
+    overlap = has_overlap()
+    off = False if overlap else None
+    ready = time_steps(model, tokenizer, prompts, config, off, 0.0)
+    timer = ExclusiveTimer()   # the phases on a run of their own, so that the wrapping does not touch `ready`
+    phased = time_steps(model, tokenizer, prompts, config, off, 0.0, timer)
+    steps = config.host_steps
+    phases = {name: 1000 * timer.seconds[name] / steps for name in HOST_PHASES if name != "other"}
+    phases["other"] = max(0.0, phased["mean_ms"] - sum(phases.values()))   # phases are means over the timed steps
+    row = {"batch": len(prompts), "running": ready["running"], "ready_sync": ready, "host_phase_ms": phases,
+           "phase_calls": {name: timer.calls[name] for name in HOST_PHASES if name != "other"},
+           "device_ms": config.device_ms,
+           "sleep_sync": time_steps(model, tokenizer, prompts, config, off, config.device_ms)}
+    if overlap:
+        row["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
+        row["sleep_overlap"] = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
+    return row
+
+
+def host_table(rows: List[dict], config: dict) -> List[List[str]]:
+    """Rows of the host-time table: per batch size, the ready-logits step and the sleeping step, both ways."""
+    def cell(row: dict, key: str, minus: float = 0.0) -> str:
+        value = row.get(key)
+        return "-" if value is None else f"{value['median_ms'] - minus:.2f}"
+
+    out = []
+    for r in rows:
+        d = r["device_ms"]
+        out.append([str(r["running"]), cell(r, "ready_sync"), cell(r, "ready_overlap"), cell(r, "sleep_sync", d),
+                    cell(r, "sleep_overlap", d)])
+    return out
+
+
+def phase_rows(rows: List[dict]) -> List[List[str]]:
+    """Rows of the phase table: where the ready-logits step's host time goes (no overlap)."""
+    return [[str(r["running"])] + [f"{r['host_phase_ms'][name]:.2f}" for name in HOST_PHASES] for r in rows]
+
+
+# ---- the study: `paged-backend bench host-overhead` ------------------------------------------------------
+@dataclass
+class HostOverheadConfig:
+    model: str = "smollm2"          # its tokenizer and vocabulary; no forward runs
+    batch_sizes: Tuple[int, ...] = (1, 64, 256)
+    prompt_len: int = 32
+    block_size: int = 16
+    seed: int = 0
+    threads: Optional[int] = None
+    host_steps: int = 30            # decode steps timed per measurement (median reported)
+    device_ms: float = 25.0         # the sleeping runner's time per forward
+
+
+def run_host_overhead(config: HostOverheadConfig) -> dict:
+    from paged_backend.benchmarks.micro.overhead import _prompts
+    from paged_backend.benchmarks.paper.engine_runs import load_bench_model, set_threads
+
+    threads = set_threads(config.threads)
+    model, tokenizer = load_bench_model(config.model)
+    host = [measure_host(model, tokenizer, _prompts(tokenizer, batch, config.prompt_len, config.seed), config)
+            for batch in config.batch_sizes]
+    return {"benchmark": "host-overhead", "config": asdict(config), "conditions": {"threads": threads},
+            "host": host, "overlap": has_overlap()}
+
+
+def check_host_overhead(result: dict) -> List[str]:
+    problems = []
+    for r in result["host"]:
+        if r["running"] != r["batch"]:
+            problems.append(f"batch {r['batch']}: {r['running']} sequences were running")
+        never = [name for name, calls in r["phase_calls"].items() if not calls and name != "block_manager"]
+        if never:
+            problems.append(f"batch {r['batch']}: no call was timed for {', '.join(never)}")
+    return problems
+
+
+def host_overhead_table(result: dict) -> str:
+    c = result["config"]
+    d = c["device_ms"]
+    steps = format_table(
+        ["running seqs", "ready: step ms", "ready, overlap: ms", f"D={d:g} ms: step - D", f"D={d:g}, overlap: - D"],
+        host_table(result["host"], c),
+        f"The engine alone ({c['model']}'s tokenizer, greedy, {c['prompt_len']}-token prompts, median of "
+        f"{c['host_steps']} decode steps, {result['conditions'].get('torch_threads')} threads): a runner that "
+        f"returns ready logits, and one that sleeps D ms per forward (step time minus D); without and with "
+        f"overlapped scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}")
+    phases = format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),
+                          "Where the ready-logits step's time goes, without overlap (ms per step)")
+    return steps + "\n\n" + phases
+
+
+SPEC = BenchmarkSpec("host-overhead", HostOverheadConfig, run_host_overhead, check_host_overhead,
+                     host_overhead_table, "",
+                     {"quick": {"model": "tiny-llama", "batch_sizes": (1, 8), "host_steps": 4, "device_ms": 5.0},
+                      "full": {}}, documented_size="full")

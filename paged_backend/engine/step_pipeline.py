@@ -1,0 +1,100 @@
+"""Launched steps and the worker that runs them.
+
+A launched step carries what the scheduler decided, its inputs and a future of its results: the forward and the
+sampler's draws (`StepResult`). With overlapped scheduling (`async_scheduling`) one worker thread runs the steps
+in launch order, so the engine schedules step N+1 and prepares its inputs while step N's forward runs, and
+processes step N's tokens while step N+1's runs; a decode row of step N+1 whose input token step N is still
+sampling gets it from step N's sampled tokens by index (`TokenFill`), in the worker, just before the forward.
+Without it a step runs inline, as soon as it is launched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set
+
+import torch
+
+from paged_backend.core.scheduler_output import SchedulerOutput
+from paged_backend.core.sequence import SequenceGroup
+from paged_backend.engine.input_builder import TokenFill
+from paged_backend.engine.token_processor import StepRows
+from paged_backend.sampling.sampler import SampleBatch
+from paged_backend.worker.step_inputs import StepInputs
+
+
+@dataclass
+class StepResult:
+    """What a step's forward and sampling produced (the sampler's error, if its batched stage raised)."""
+
+    logits: Optional[torch.Tensor]
+    batch: Optional[SampleBatch] = None
+    sample_error: Optional[BaseException] = None
+
+
+@dataclass
+class LaunchedStep:
+    """One step on its way: the scheduler's decision, its rows, the running requests when it was scheduled (a
+    failed forward fails them), its inputs and the future of its results."""
+
+    sched: SchedulerOutput
+    rows: StepRows
+    running: List[SequenceGroup]
+    inputs: StepInputs
+    fill: Optional[TokenFill] = None
+    lora_slot_of: Dict[int, int] = field(default_factory=dict)   # lora_int_id -> the device slot it runs in
+    future: Optional[concurrent.futures.Future] = None
+    _rows_of: Optional[Dict[int, int]] = field(default=None, repr=False)
+
+    @property
+    def overlappable(self) -> bool:
+        """The next step may be scheduled before this one is processed."""
+        return not self.rows.needs_processing
+
+    def loaded_slots(self) -> Set[int]:
+        """The LoRA slots this step loads before its forward."""
+        return set(self.inputs.lora.loads) if self.inputs.lora is not None else set()
+
+    def lora_slot(self, group: SequenceGroup) -> Optional[int]:
+        """The device slot of a request's adapter in this step (None: the base model)."""
+        request = group.lora_request
+        return None if request is None else self.lora_slot_of.get(request.lora_int_id)
+
+    def sample_rows(self) -> Dict[int, int]:
+        """Sequence id -> its row among this step's sampled tokens (where the next step's inputs come from)."""
+        if self._rows_of is None:
+            samplers = self.rows.samplers
+            self._rows_of = {samplers[i].seq.seq_id: k for k, i in enumerate(self.rows.normal)}
+        return self._rows_of
+
+    def sampled_tokens(self) -> Optional[torch.Tensor]:
+        """Each sampled row's token ([rows] int64), or None if the step failed. Waits for the step."""
+        try:
+            result = self.future.result()
+        except BaseException:  # noqa: BLE001 - the step failed: its requests fail, its successor fills zeros
+            return None
+        return None if result.batch is None else result.batch.first_tokens
+
+
+class StepWorker:
+    """Runs step jobs in launch order: in one worker thread (overlapped scheduling) or inline."""
+
+    def __init__(self, threaded: bool) -> None:
+        self.threaded = threaded
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-forward") \
+            if threaded else None
+
+    def submit(self, job: Callable[[], StepResult]) -> concurrent.futures.Future:
+        if self._executor is not None:
+            return self._executor.submit(job)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future, as from the thread
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
