@@ -107,7 +107,8 @@ def kernel_vector_bits() -> Optional[int]:
     from .cpu_build import load_library
 
     library = load_library("cpu_attention")
-    return None if library is None else int(library.vector_bytes()) * 8
+    vector_bytes = getattr(library, "vector_bytes", None) if library is not None else None
+    return None if vector_bytes is None else int(vector_bytes()) * 8   # None also for a build without the export
 
 
 def describe() -> Dict[str, Union[str, int, bool, List[str], Dict, None]]:
