@@ -127,8 +127,10 @@ def instruction_sets_text(machine: dict) -> str:
     features = machine.get("cpu_features")
     if not features:
         return ""
-    return (f" ({', '.join(features.get('instruction_sets') or []) or 'instruction sets unknown'}; C++ kernels "
-            f"{features.get('kernel_vector_bits') or '(not built)'}-bit, PyTorch {features.get('torch_capability')})")
+    bits = features.get("kernel_vector_bits")
+    kernels = f"C++ kernels {bits}-bit" if bits else "C++ kernels' width unknown"
+    return (f" ({', '.join(features.get('instruction_sets') or []) or 'instruction sets unknown'}; {kernels}, "
+            f"PyTorch {features.get('torch_capability')})")
 
 
 def versions(packages=("torch", "transformers", "triton", "paged-backend")) -> Dict[str, Optional[str]]:
