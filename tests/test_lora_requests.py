@@ -341,3 +341,35 @@ def test_a_step_that_failed_before_loading_an_adapter_never_leaves_a_request_on_
         assert counted.error is None
     assert finals["later"].error is None and finals["later"].outputs[0].token_ids == expected
     assert_no_leaks(eng)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_an_engine_without_adapters_beside_one_with_them_on_the_same_model_is_untouched(adapters, overlap):
+    """Two engines on one model object, stepped in turns (a LoRA engine's hooks sit on the shared modules, and
+    with overlap its next step runs in its worker thread while the other engine steps): each engine's tokens
+    are its own alone, and neither fails."""
+    params = greedy(8)
+    alone_base = engine()
+    alone_base.add_request("b", ids(), params)
+    expected_base = run_to_completion(alone_base)["b"].outputs[0].token_ids
+    alone_lora = engine(enable_lora=True, max_loras=2, max_lora_rank=8)
+    alone_lora.add_request("l", ids(), params, lora_request=adapters[0])
+    expected_lora = run_to_completion(alone_lora)["l"].outputs[0].token_ids
+
+    base = engine(async_scheduling=overlap)
+    lora = engine(enable_lora=True, max_loras=2, max_lora_rank=8, async_scheduling=overlap)
+    base.add_request("b", ids(), params)
+    lora.add_request("l", ids(), params, lora_request=adapters[0])
+    finals = {}
+    for _ in range(40):
+        for eng in (lora, base):
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        if not (base.has_unfinished_requests() or lora.has_unfinished_requests()):
+            break
+    assert finals["b"].error is None and finals["l"].error is None, (finals["b"].error, finals["l"].error)
+    assert finals["b"].outputs[0].token_ids == expected_base
+    assert finals["l"].outputs[0].token_ids == expected_lora
+    assert_no_leaks(base)
+    assert_no_leaks(lora)

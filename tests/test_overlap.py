@@ -158,3 +158,24 @@ def test_aborting_every_request_while_a_step_runs_leaves_nothing_running():
     alone.add_request("again", PROMPT, params)
     assert again.token_ids == run_to_completion(alone, MAX_STEPS)["again"].outputs[0].token_ids
     assert_no_leaks(engine)
+
+
+def test_our_attention_stays_the_models_while_any_engine_on_it_runs_a_step():
+    """Two engines on one model object: one engine's step ending (in its worker thread, with overlap) must not
+    give the model its previous attention back while the other engine's step is still in its forward."""
+    model, tok = get_model("tiny-llama", torch.float64)
+    first = LLMEngine(model, tokenizer=tok, num_blocks=16, block_size=8)
+    second = LLMEngine(model, tokenizer=tok, num_blocks=16, block_size=8)
+    before = model.config._attn_implementation
+    with first.runner._paged_attention():
+        with second.runner._paged_attention():
+            ours = model.config._attn_implementation
+        assert model.config._attn_implementation == ours   # the first engine's step is still running
+    assert ours != before and model.config._attn_implementation == before
+    first_step, second_step = first.runner._paged_attention(), second.runner._paged_attention()
+    first_step.__enter__()
+    second_step.__enter__()
+    first_step.__exit__(None, None, None)                   # steps of two engines end in any order
+    assert model.config._attn_implementation == ours      # the second one's step is still running
+    second_step.__exit__(None, None, None)
+    assert model.config._attn_implementation == before

@@ -11,6 +11,7 @@ nothing.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -134,12 +135,12 @@ class LoRALayers:
         self.shapes, self.skipped = lora_target_shapes(model)
         self._modules = dict(model.named_modules())
         self.mode = lora_mode(torch.empty(0, device=self.device, dtype=self.dtype), max_loras, max_lora_rank)
-        self._columns: Optional[torch.Tensor] = None
+        self._step = threading.local()   # the step's plan (and mask), seen only by the thread running the step:
+        # another engine's forward on the same model, in another thread, passes these hooks untouched
         self._layers: Dict[str, _Layer] = {}
         self._hooks: list = []
         weakref.finalize(self, _remove_all, self._hooks)   # a dropped runner leaves no hooks behind
         self.slots: List[Optional[LoRAWeights]] = [None] * max_loras
-        self._plan: Optional[LoRAPlan] = None
 
     def check(self, weights: LoRAWeights) -> None:
         """Refuse an adapter that does not fit this model (see `check_adapter_fits`)."""
@@ -173,7 +174,7 @@ class LoRALayers:
 
     def apply(self, name: str, x: torch.Tensor, output: torch.Tensor) -> None:
         """The hook's work: add the step's deltas to `output` of module `name` (nothing outside a step)."""
-        plan = self._plan
+        plan = getattr(self._step, "plan", None)
         if plan is None:
             return
         layer = self._layers[name]
@@ -182,18 +183,18 @@ class LoRALayers:
             raise ValueError(f"LoRA on {name!r}: the module ran on {rows} rows but the step has "
                              f"{plan.num_tokens} tokens; adapters can target only layers that see every token")
         layer.apply(output.view(-1, layer.out_features), x.reshape(-1, layer.in_features), plan, self.mode,
-                    self._columns)
+                    self._step.columns)
 
     @contextlib.contextmanager
     def step(self, plan: Optional[LoRAPlan]) -> Iterator[None]:
         """Apply the adapters of `plan`'s tokens during the forward inside this block."""
-        self._plan = plan
+        self._step.plan, self._step.columns = plan, None
         if plan is not None and self.mode == "dense":
-            self._columns = slot_columns(plan.token_slots, self.max_loras, self.max_lora_rank, self.dtype)
+            self._step.columns = slot_columns(plan.token_slots, self.max_loras, self.max_lora_rank, self.dtype)
         try:
             yield
         finally:
-            self._plan = self._columns = None
+            self._step.plan = self._step.columns = None
 
     def remove(self) -> None:
         """Take the hooks off the model (the runner is done with it)."""

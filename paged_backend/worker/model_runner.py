@@ -34,6 +34,32 @@ def attention_layers(model: torch.nn.Module) -> Dict[int, int]:
     return layers
 
 
+_ATTENTION_LOCK = threading.Lock()
+_ATTENTION_USERS: Dict[int, list] = {}   # id(model config) -> [steps and compilations using it, previous attention]
+
+
+@contextmanager
+def paged_attention_on(config) -> Iterator[None]:
+    """Our attention function as the implementation of the model with this config while any step or compilation
+    of any runner on it runs (engines may share one model object, each stepping in its own thread); the previous
+    implementation is back when the last one ends, whatever their order."""
+    key = id(config)
+    with _ATTENTION_LOCK:
+        entry = _ATTENTION_USERS.get(key)
+        if entry is None:
+            entry = _ATTENTION_USERS[key] = [0, config._attn_implementation]
+            config._attn_implementation = ATTENTION_NAME
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _ATTENTION_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _ATTENTION_USERS[key]
+                config._attn_implementation = entry[1]
+
+
 class ModelRunner:
     """Runs steps of one model over its paged KV cache."""
 
@@ -49,31 +75,16 @@ class ModelRunner:
         if len(set(self.layer_of.values())) != cache_engine.geometry.num_layers:
             raise ValueError(f"{type(model).__name__}: found {len(set(self.layer_of.values()))} attention layers "
                              f"with a layer index, expected {cache_engine.geometry.num_layers}")
-        self._attention_users = 0   # steps and compilations running with our attention function set
-        self._attention_lock = threading.Lock()
         self.compiled: Optional[CompiledForward] = None   # compile=...: the compiled forward (compiled_forward.py)
         self.forward = eager_forward(model)
         if compile_mode(compile) != "off":
             self.compiled = self.forward = CompiledForward(model, cache_engine, compile_mode(compile),
                                                            self._paged_attention)
 
-    @contextmanager
-    def _paged_attention(self) -> Iterator[None]:
+    def _paged_attention(self):
         """Our attention function as the model's implementation while a step or a compilation (which may run in
-        another thread, for tens of seconds) uses it; the previous one is back when neither does."""
-        config = self.model.config
-        with self._attention_lock:
-            if self._attention_users == 0:
-                self._previous_attention = config._attn_implementation
-                config._attn_implementation = ATTENTION_NAME
-            self._attention_users += 1
-        try:
-            yield
-        finally:
-            with self._attention_lock:
-                self._attention_users -= 1
-                if self._attention_users == 0:
-                    config._attn_implementation = self._previous_attention
+        another thread, for tens of seconds) uses it (`paged_attention_on`)."""
+        return paged_attention_on(self.model.config)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`."""
