@@ -5,8 +5,8 @@ every token t of adapter slot s, all slots in one call (Punica / S-LoRA's segmen
 every LoRA-wrapped layer of the step reuses the plan. Three implementations:
 - `lora_delta_dense` (PyTorch, the CPU's default while the slots' ranks are few columns): every token against
   every slot's A at once (the slots' A stacked, `[slots * rank, in]`), its own slot's columns kept by a
-  scaled one-hot mask (`slot_columns`), then the stacked B: two matmuls, a multiply and an add per layer
-  whatever the number of adapters (a step's Python and op count is what a CPU step pays for).
+  one-hot mask (`slot_columns`), then the stacked scale * B added in place: two matmuls and a multiply per
+  layer whatever the number of adapters (a step's Python and op count is what a CPU step pays for).
 - `lora_delta_grouped` (PyTorch, any device): per slot one gather, two small matmuls in PEFT's order
   (`F.linear(F.linear(x, A), B) * scale`) and one `index_add_`; a slot whose tokens are one contiguous run is
   read and written through a slice, no copy. Used when the stacked columns would outweigh the layer.
@@ -112,12 +112,15 @@ def slot_columns(token_slots: torch.Tensor, num_slots: int, rank: int, dtype: to
     return columns.view(num_tokens, num_slots * rank)
 
 
-def lora_delta_dense(y: torch.Tensor, x: torch.Tensor, scaled_columns: torch.Tensor, a_cat: torch.Tensor,
-                     b_cat: torch.Tensor) -> None:
-    """`y += ((x @ a_cat^T) * scaled_columns) @ b_cat^T` in place: `a_cat` `[slots * rank, in]` and `b_cat`
-    `[out, slots * rank]` are every slot's A and B side by side (zero beyond an adapter's own rank),
-    `scaled_columns` is `slot_columns` times each column's scale (0 where a slot does not target the layer)."""
-    y.add_(F.linear(F.linear(x, a_cat) * scaled_columns, b_cat))
+def lora_delta_dense(y: torch.Tensor, x: torch.Tensor, columns: torch.Tensor, a_cat: torch.Tensor,
+                     b_scaled_cat: torch.Tensor) -> None:
+    """`y += ((x @ a_cat^T) * columns) @ b_scaled_cat^T` in place, three ops: `a_cat` `[slots * rank, in]` and
+    `b_scaled_cat` `[out, slots * rank]` are every slot's A and scale * B side by side (zero beyond an adapter's own
+    rank, and for a slot whose adapter does not target the layer), `columns` is `slot_columns` (each token's own
+    slot's columns 1, the others 0)."""
+    h = F.linear(x, a_cat)
+    h.mul_(columns)
+    y.addmm_(h, b_scaled_cat.t())
 
 
 def lora_backend(tensor: torch.Tensor) -> str:

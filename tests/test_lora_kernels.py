@@ -49,14 +49,13 @@ def test_grouped_deltas_equal_the_per_token_definition(slots):
 
 @pytest.mark.parametrize("slots", [[0, 1, -1, 1, 0, 2, 2, 2], [-1, -1], [2]])
 def test_dense_deltas_equal_the_per_token_definition(slots):
-    """Every slot's A and B side by side, each token keeping its own slot's columns (scaled): the same deltas."""
+    """Every slot's A and scale * B side by side, each token keeping its own slot's columns: the same deltas."""
     generator = torch.Generator().manual_seed(7 + len(slots))
     max_rank, ranks, scales = 6, (2, 5, 0), (0.5, 2.0, 0.0)
     x = torch.randn(len(slots), 12, generator=generator, dtype=torch.float64)
     y = torch.randn(len(slots), 10, generator=generator, dtype=torch.float64)
     a_cat = torch.zeros(3 * max_rank, 12, dtype=torch.float64)
     b_cat = torch.zeros(10, 3 * max_rank, dtype=torch.float64)
-    column_scales = torch.zeros(3 * max_rank, dtype=torch.float64)
     weights = []
     for slot, (rank, scale) in enumerate(zip(ranks, scales)):
         if rank == 0:
@@ -64,13 +63,12 @@ def test_dense_deltas_equal_the_per_token_definition(slots):
             continue
         a = torch.randn(rank, 12, generator=generator, dtype=torch.float64)
         b = torch.randn(10, rank, generator=generator, dtype=torch.float64)
-        a_cat[slot * max_rank:slot * max_rank + rank], b_cat[:, slot * max_rank:slot * max_rank + rank] = a, b
-        column_scales[slot * max_rank:(slot + 1) * max_rank] = scale
+        a_cat[slot * max_rank:slot * max_rank + rank], b_cat[:, slot * max_rank:slot * max_rank + rank] = a, b * scale
         weights.append((a, b, scale))
     columns = slot_columns(torch.tensor(slots), 3, max_rank, torch.float64)
     assert columns.shape == (len(slots), 18) and columns.sum().item() == max_rank * sum(s >= 0 for s in slots)
     out = y.clone()
-    lora_delta_dense(out, x, columns * column_scales, a_cat, b_cat)
+    lora_delta_dense(out, x, columns, a_cat, b_cat)
     torch.testing.assert_close(out, _dense(y, x, slots, weights), rtol=1e-12, atol=1e-12)
 
 

@@ -49,8 +49,8 @@ def lora_target_shapes(model: torch.nn.Module) -> Tuple[Dict[str, Tuple[int, int
 
 class _Layer:
     """One adapted module's weights for every slot, side by side: `a_cat` `[slots * max_rank, in]` and `b_cat`
-    `[out, slots * max_rank]` (zero beyond an adapter's own rank), its scales per slot and per column, and the
-    exact `(A, B, scale)` views of each slot for the grouped path."""
+    `[out, slots * max_rank]` (zero beyond an adapter's own rank), the same B times each slot's scale for the dense
+    path, the scales per slot, and the exact `(A, B, scale)` views of each slot for the grouped path."""
 
     def __init__(self, num_slots: int, max_rank: int, shape: Tuple[int, int], device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -59,31 +59,35 @@ class _Layer:
         self.a_cat = torch.zeros(num_slots * max_rank, self.in_features, device=device, dtype=dtype)
         self.b_cat = torch.zeros(self.out_features, num_slots * max_rank, device=device, dtype=dtype)
         self.scales = torch.zeros(num_slots, device=device, dtype=torch.float32)
-        self.column_scales = torch.zeros(num_slots * max_rank, device=device, dtype=dtype)
+        self.b_scaled_cat = torch.zeros(self.out_features, num_slots * max_rank, device=device, dtype=dtype)  # dense
         self.entries: List[Optional[Tuple[torch.Tensor, torch.Tensor, float]]] = [None] * num_slots
 
     def set(self, slot: int, lora: LoRAModule) -> None:
         first, rank = slot * self.max_rank, lora.rank
         columns = slice(first, first + self.max_rank)
-        self.a_cat[columns].zero_()
-        self.b_cat[:, columns].zero_()
+        self._zero(columns)
         self.a_cat[first:first + rank] = lora.lora_a
         self.b_cat[:, first:first + rank] = lora.lora_b
+        self.b_scaled_cat[:, first:first + rank] = lora.lora_b * lora.scaling
         self.scales[slot] = lora.scaling
-        self.column_scales[columns] = lora.scaling
         self.entries[slot] = (self.a_cat[first:first + rank], self.b_cat[:, first:first + rank], lora.scaling)
 
     def clear(self, slot: int) -> None:
         self.entries[slot] = None
         self.scales[slot] = 0.0
-        self.column_scales[slot * self.max_rank:(slot + 1) * self.max_rank] = 0.0
+        self._zero(slice(slot * self.max_rank, (slot + 1) * self.max_rank))   # a cleared slot adds nothing
+
+    def _zero(self, columns: slice) -> None:
+        self.a_cat[columns].zero_()
+        self.b_cat[:, columns].zero_()
+        self.b_scaled_cat[:, columns].zero_()
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, plan: LoRAPlan, mode: str,
               columns: Optional[torch.Tensor]) -> None:
         if not any(self.entries[s.slot] is not None for s in plan.segments):
             return
         if mode == "dense":
-            lora_delta_dense(y, x, columns * self.column_scales, self.a_cat, self.b_cat)
+            lora_delta_dense(y, x, columns, self.a_cat, self.b_scaled_cat)
         elif mode == "triton":
             from paged_backend.kernels.triton_lora import lora_delta_triton
 
