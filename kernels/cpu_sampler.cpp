@@ -46,8 +46,8 @@ struct Row {
   float max = 0;
 };
 
-// The row's maximum; false when it is not finite or the row holds a NaN.
-bool row_max(const float* x, int64_t n, float& result) {
+// The maximum of x[0, n) (-inf when n is 0), vector by vector; `has_nan` says whether a NaN was seen.
+float scan_max(const float* x, int64_t n, bool& has_nan) {
   constexpr int64_t L = Vector<float>::lanes;
   FloatVector best = FloatVector{} - std::numeric_limits<float>::infinity();
   IntVector nan = {};
@@ -58,7 +58,7 @@ bool row_max(const float* x, int64_t n, float& result) {
     best = v > best ? v : best;
   }
   float m = -std::numeric_limits<float>::infinity();
-  bool has_nan = false;
+  has_nan = false;
   for (int64_t j = 0; j < L; ++j) {
     m = std::max(m, best[j]);
     has_nan |= nan[j] != 0;
@@ -67,8 +67,14 @@ bool row_max(const float* x, int64_t n, float& result) {
     has_nan |= x[i] != x[i];
     m = std::max(m, x[i]);
   }
-  result = m;
-  return !has_nan && std::isfinite(m);
+  return m;
+}
+
+// The row's maximum; false when it is not finite or the row holds a NaN.
+bool row_max(const float* x, int64_t n, float& result) {
+  bool has_nan = false;
+  result = scan_max(x, n, has_nan);
+  return !has_nan && std::isfinite(result);
 }
 
 // exp(x - max) of tokens [start, start + n) into `out`.
@@ -95,24 +101,8 @@ bool greedy_row(Row& row, int64_t& argmax, double& total, bool with_sum = true) 
   for (int64_t start = 0; start < row.vocab; start += kChunk) {
     const int64_t n = std::min(kChunk, row.vocab - start);
     const float* x = row.x + start;
-    FloatVector best = FloatVector{} - kInf;
-    IntVector nan = {};
-    int64_t i = 0;
-    for (; i + L <= n; i += L) {
-      const FloatVector v = load(x + i);
-      nan |= (v != v);
-      best = v > best ? v : best;
-    }
-    float chunk_max = -kInf;
     bool has_nan = false;
-    for (int64_t j = 0; j < L; ++j) {
-      chunk_max = std::max(chunk_max, best[j]);
-      has_nan |= nan[j] != 0;
-    }
-    for (; i < n; ++i) {
-      has_nan |= x[i] != x[i];
-      chunk_max = std::max(chunk_max, x[i]);
-    }
+    const float chunk_max = scan_max(x, n, has_nan);
     if (has_nan || chunk_max == kInf) return false;
     if (chunk_max > m) {
       argmax = start + (std::find(x, x + n, chunk_max) - x);

@@ -31,7 +31,8 @@ HOST_PHASES = ("schedule", "block_manager", "prepare_inputs", "sampling", "token
 
 
 class ExclusiveTimer:
-    """Seconds per phase, exclusive of the wrapped calls nested inside; one thread only."""
+    """Seconds per phase, exclusive of the wrapped calls nested inside (the forward's attention calls are not
+    counted again as forward, block-manager calls not again as scheduling); one thread only."""
 
     def __init__(self) -> None:
         self.seconds: Dict[str, float] = defaultdict(float)

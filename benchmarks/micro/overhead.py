@@ -16,16 +16,16 @@ import contextlib
 import itertools
 import random
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from paged_backend import LLMEngine, SamplingParams
 
 from paged_backend.benchmarks.paper.engine_runs import leaked_blocks, load_bench_model, release, set_threads
 from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table, percent
 from paged_backend.benchmarks.harness.workloads import make_trace
-from paged_backend.benchmarks.micro.host_overhead import HOST_PHASES, has_overlap, host_table, measure_host, phase_rows
+from paged_backend.benchmarks.micro.host_overhead import (HOST_PHASES, ExclusiveTimer, has_overlap, host_table,
+                                                          measure_host, phase_rows)
 
 PHASES = ("schedule", "block_manager", "prepare_inputs", "forward", "attention", "sampling", "bookkeeping", "other")
 PAPER_NOTE = ("the paper gives no CPU-side step breakdown; its Fig. 18a reports the PagedAttention kernel "
@@ -48,32 +48,8 @@ class OverheadConfig:
 QUICK = {"model": "tiny-llama", "batch_sizes": (1, 8), "decode_steps": 3, "host_steps": 4, "device_ms": 5.0}
 
 
-class PhaseTimer:
-    """Seconds per phase, exclusive of the wrapped calls nested inside (the forward's attention calls
-    are not counted again as forward, block-manager calls not again as scheduling)."""
-
-    def __init__(self) -> None:
-        self.seconds: Dict[str, float] = defaultdict(float)
-        self.calls: Dict[str, int] = defaultdict(int)
-        self._nested: List[float] = []
-
-    def wrap(self, phase: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            self.calls[phase] += 1
-            self._nested.append(0.0)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - start
-                self.seconds[phase] += elapsed - self._nested.pop()
-                if self._nested:
-                    self._nested[-1] += elapsed
-        return timed
-
-
 @contextlib.contextmanager
-def instrumented(engine: LLMEngine, timer: PhaseTimer) -> Iterator[None]:
+def instrumented(engine: LLMEngine, timer: ExclusiveTimer) -> Iterator[None]:
     """Time the phases of `engine.step` by wrapping the methods it calls; restores them afterwards."""
     import paged_backend.engine.llm_engine as engine_module
     from paged_backend import kernels
@@ -124,7 +100,7 @@ def measure_batch(model, tokenizer, batch: int, config: OverheadConfig) -> dict:
         while any(s.num_computed_tokens < s.prompt_len for g in itertools.chain(scheduler.waiting, scheduler.running)
                   for s in g.seqs):
             engine.step()
-        timer = PhaseTimer()
+        timer = ExclusiveTimer()
         total = 0.0
         with instrumented(engine, timer):
             for _ in range(config.decode_steps):
