@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,16 @@ def test_every_measurement_record_names_its_commit_machine_and_versions(path):
     else:
         head = path.read_text()[:2000]
         assert re.search(r"commit `?[0-9a-f]{7,40}", head) and "machine" in head and "torch" in head, path.name
+
+
+def test_a_page_with_a_before_record_regenerates_with_its_plots(tmp_path):
+    """`bench NAME --documented` redraws every recorded benchmark's plot: a NAME-before.json record (the same
+    measurement before a change) is shown in the page and has no plot of its own to draw."""
+    from paged_backend.benchmarks.harness.docgen import regenerate
+
+    (tmp_path / "measurements").mkdir()
+    for name in ("host-overhead.json", "host-overhead-before.json"):
+        shutil.copy(DOCS / "measurements" / name, tmp_path / "measurements" / name)
+    (tmp_path / "benchmarks.md").write_text("<!-- generated: before host-overhead -->\n<!-- end generated -->\n")
+    regenerate(tmp_path, plot=True)
+    assert "ready: step ms" in (tmp_path / "benchmarks.md").read_text()
