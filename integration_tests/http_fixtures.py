@@ -8,7 +8,9 @@ end stops it (also when a test fails).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator, Optional
 
 import pytest
 
@@ -17,6 +19,18 @@ from http_server_process import HTTP_API_KEY, HTTP_MODEL, HTTP_NUM_BLOCKS, Serve
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _shared = {}
+
+
+@contextlib.contextmanager
+def local_inference_client(url: str, token: Optional[str] = None, timeout: float = 120) -> Iterator:
+    """huggingface_hub's InferenceClient for a server here. The test session runs with HF_HUB_OFFLINE=1 (no model
+    hub here), which also blocks InferenceClient's requests to a local server: lifted while the block runs."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        yield InferenceClient(model=url, token=token, timeout=timeout)
 
 
 def shared_server(config) -> ServerProcess:

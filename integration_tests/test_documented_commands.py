@@ -137,6 +137,12 @@ COMMANDS: Dict[str, Run] = {
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_busy_threads_study"),
     "paged-backend bench lora --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_lora_study"),
+    "paged-backend bench host-overhead --documented": Run(
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_host_overhead_study"),
+    "paged-backend bench host-overhead --documented --allow-dirty": Run(   # the before record's own command
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_host_overhead_study"),
+    "paged-backend bench compiled-decode --documented": Run(
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_compiled_decode_study"),
     "paged-backend bench step-profile --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_step_profile_records_the_step_call_tree"),
 }

@@ -10,7 +10,7 @@ import text_generation
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError as HFValidationError
 
-from http_fixtures import http_reference, http_server  # noqa: F401 (fixtures)
+from http_fixtures import http_reference, http_server, local_inference_client  # noqa: F401 (fixtures)
 from http_helpers import chat_ids, greedy
 from http_server_process import AUTH, HTTP_API_KEY, HTTP_MODEL
 
@@ -23,11 +23,8 @@ MESSAGES = [{"role": "user", "content": "Write a haiku about memory pages."}]
 
 @pytest.fixture(scope="module")
 def hf(http_server) -> InferenceClient:
-    # The test session runs with HF_HUB_OFFLINE=1 (no model hub here), which also blocks InferenceClient's
-    # requests to a local server; lift it for these calls only.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-        yield InferenceClient(model=http_server.url, token=HTTP_API_KEY, timeout=120)
+    with local_inference_client(http_server.url, HTTP_API_KEY) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 import torch
-from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError as HFValidationError
 
+from http_fixtures import local_inference_client
 from http_helpers import metrics
 from http_server_process import ServerProcess
 
@@ -100,11 +100,12 @@ def test_models_lists_the_adapters_with_their_parent(oai, dirs):
 
 
 def test_tgi_adapter_id_from_huggingface_hub(server, reference):
-    hub = InferenceClient(model=server.url, timeout=120)
-    assert hub.text_generation(PROMPT, max_new_tokens=6, adapter_id="chat") == reference("chat")
-    assert "".join(hub.text_generation(PROMPT, max_new_tokens=6, adapter_id="sql", stream=True)) == reference("sql")
-    with pytest.raises(HFValidationError, match="not one of this server's adapters"):
-        hub.text_generation(PROMPT, max_new_tokens=2, adapter_id="nope")
+    with local_inference_client(server.url) as hub:
+        assert hub.text_generation(PROMPT, max_new_tokens=6, adapter_id="chat") == reference("chat")
+        assert "".join(hub.text_generation(PROMPT, max_new_tokens=6, adapter_id="sql", stream=True)) == \
+            reference("sql")
+        with pytest.raises(HFValidationError, match="not one of this server's adapters"):
+            hub.text_generation(PROMPT, max_new_tokens=2, adapter_id="nope")
 
 
 def test_load_and_unload_over_http_while_requests_run(server, oai, dirs, reference):

@@ -15,12 +15,12 @@ import concurrent.futures
 import json
 from typing import Callable, Dict
 
-import huggingface_hub
 import openai
 import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError as HFValidationError
 
+from http_fixtures import local_inference_client
 from http_helpers import client, wait_idle
 from http_server_process import HTTP_API_KEY, ServerProcess
 from structured_cases import (COLORS, PHONE, PROMPTS, SCHEMAS, TOOLS, check_choice, check_json, check_regex,
@@ -104,9 +104,7 @@ def _tgi_requests(hf: InferenceClient) -> Dict[str, Callable]:
 def replies(server):
     """Every request at once; request name -> its reply or the exception it raised."""
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key=HTTP_API_KEY, max_retries=0, timeout=300)
-    with pytest.MonkeyPatch.context() as patch:  # HF_HUB_OFFLINE also blocks InferenceClient's local calls
-        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-        hf = InferenceClient(model=server.url, token=HTTP_API_KEY, timeout=300)
+    with local_inference_client(server.url, HTTP_API_KEY, timeout=300) as hf:
         requests = {**_openai_requests(oai), **_tgi_requests(hf)}
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(requests)) as pool:
             futures = {name: pool.submit(call) for name, call in requests.items()}

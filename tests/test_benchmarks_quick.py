@@ -590,6 +590,17 @@ def test_a_record_takes_the_conditions_at_the_start_of_the_run_and_at_its_end(tm
     assert c["load_average_after"] == [3.0, 3.0, 3.0] and c["threads"] == 1 and c["time"] <= c["finished"]
 
 
+def test_quick_host_overhead_study(tmp_path):
+    result = _bench("host-overhead", tmp_path)
+    assert result["overlap"] and [r["batch"] for r in result["host"]] == [1, 8]
+    for row in result["host"]:
+        assert row["running"] == row["batch"]
+        for key in ("ready_sync", "ready_overlap", "sleep_sync", "sleep_overlap"):
+            assert row[key]["median_ms"] > 0, key
+        assert row["sleep_sync"]["median_ms"] >= row["device_ms"]   # the sleeping runner's time is in the step
+        assert row["phase_calls"]["schedule"] > 0 and row["host_phase_ms"]["sampling"] > 0
+
+
 def test_quick_compiled_decode_study(tmp_path):
     """About 35 s: two compiled starts of tiny-llama in fresh processes (the cache on disk) and two engines."""
     result = _bench("compiled-decode", tmp_path)
