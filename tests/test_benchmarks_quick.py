@@ -602,7 +602,7 @@ def test_quick_host_overhead_study(tmp_path):
 
 
 def test_quick_compiled_decode_study(tmp_path):
-    """About 35 s: two compiled starts of tiny-llama in fresh processes (the cache on disk) and two engines."""
+    """About 20 s: one compiled start of tiny-llama in a fresh process (the cache on disk) and two engines."""
     result = _bench("compiled-decode", tmp_path)
     [row] = result["rows"]
     assert row["dtype"] == "float32" and row["same_greedy_tokens"]
