@@ -1,4 +1,4 @@
-"""Soak: 700 random requests, a fifth aborted mid-way, a cache small enough to preempt often. Every
+"""Soak: 500 random requests, a fifth aborted mid-way, a cache small enough to preempt often. Every
 request that is deterministic (greedy, seeded or beam search) must give the tokens it gives on a roomy engine."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def test_soak_with_aborts_and_both_preemption_kinds():
     model, tok = get_model("tiny-llama")
     engine = LLMEngine(model, tokenizer=tok, num_blocks=48, block_size=8, max_num_seqs=32,
                        max_num_batched_tokens=256, num_swap_blocks=64)
-    requests = {f"r{i}": random_request(rng) for i in range(700)}
-    aborts = {rid: rng.randint(0, 300) for rid in rng.sample(sorted(requests), 140)}
+    requests = {f"r{i}": random_request(rng) for i in range(500)}
+    aborts = {rid: rng.randint(0, 220) for rid in rng.sample(sorted(requests), 100)}
     pending = list(requests)
     results, aborted, step = {}, set(), 0
     while pending or engine.has_unfinished_requests():
@@ -68,7 +68,7 @@ def test_soak_with_aborts_and_both_preemption_kinds():
         if rid in aborted:
             continue
         check_finished(results[rid], params)
-    assert len(aborted) > 70
+    assert len(aborted) > 50
     deterministic = {rid: r for rid, r in requests.items()
                      if rid not in aborted and (r[1].temperature == 0 or r[1].seed is not None)}
     roomy = LLMEngine(model, tokenizer=tok, num_blocks=4096, block_size=8, max_num_seqs=256,
@@ -79,4 +79,4 @@ def test_soak_with_aborts_and_both_preemption_kinds():
     assert roomy.get_stats().num_preemptions == 0
     for rid in deterministic:
         assert [c.token_ids for c in results[rid].outputs] == [c.token_ids for c in expected[rid].outputs], rid
-    assert len(deterministic) > 200
+    assert len(deterministic) > 150

@@ -67,9 +67,8 @@ def _patches(engine: LLMEngine) -> list:
 
 
 @contextlib.contextmanager
-def timed_phases(engine: LLMEngine, timer: ExclusiveTimer) -> Iterator[None]:
-    """Wrap the methods a step calls with `timer` (a step without overlap: everything runs in this thread)."""
-    patches = _patches(engine)
+def wrapped_methods(patches: List[Tuple[object, str, str]], timer: ExclusiveTimer) -> Iterator[None]:
+    """Each (object, method name, phase) timed by `timer` inside the block; the objects are as before after it."""
     saved = [(obj, name, name in vars(obj), vars(obj).get(name)) for obj, name, _ in patches]
     for obj, name, phase in patches:
         setattr(obj, name, timer.wrap(phase, getattr(obj, name)))
@@ -81,6 +80,11 @@ def timed_phases(engine: LLMEngine, timer: ExclusiveTimer) -> Iterator[None]:
                 setattr(obj, name, own)
             else:
                 delattr(obj, name)
+
+
+def timed_phases(engine: LLMEngine, timer: ExclusiveTimer):
+    """Wrap the methods a step calls with `timer` (a step without overlap: everything runs in this thread)."""
+    return wrapped_methods(_patches(engine), timer)
 
 
 def has_overlap(engine_cls=LLMEngine) -> bool:

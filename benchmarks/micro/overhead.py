@@ -25,7 +25,7 @@ from paged_backend.benchmarks.paper.engine_runs import leaked_blocks, load_bench
 from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table, percent
 from paged_backend.benchmarks.harness.workloads import make_trace
 from paged_backend.benchmarks.micro.host_overhead import (HOST_PHASES, ExclusiveTimer, has_overlap, host_table,
-                                                          measure_host, phase_rows)
+                                                          measure_host, phase_rows, wrapped_methods)
 
 PHASES = ("schedule", "block_manager", "prepare_inputs", "forward", "attention", "sampling", "bookkeeping", "other")
 PAPER_NOTE = ("the paper gives no CPU-side step breakdown; its Fig. 18a reports the PagedAttention kernel "
@@ -63,18 +63,8 @@ def instrumented(engine: LLMEngine, timer: ExclusiveTimer) -> Iterator[None]:
     patches += [(bm, name, "block_manager") for name in ("can_allocate", "allocate", "can_append_slots",
                                                          "append_slots", "append_decode_slots", "free", "fork",
                                                          "mark_computed")]
-    patches = [(obj, name, phase) for obj, name, phase in patches if hasattr(obj, name)]
-    saved = [(obj, name, name in vars(obj), vars(obj).get(name)) for obj, name, _ in patches]
-    for obj, name, phase in patches:
-        setattr(obj, name, timer.wrap(phase, getattr(obj, name)))
-    try:
+    with wrapped_methods([(obj, name, phase) for obj, name, phase in patches if hasattr(obj, name)], timer):
         yield
-    finally:
-        for obj, name, had_own, own in reversed(saved):
-            if had_own:
-                setattr(obj, name, own)
-            else:
-                delattr(obj, name)
 
 
 def _prompts(tokenizer, count: int, length: int, seed: int) -> List[List[int]]:
