@@ -44,8 +44,7 @@ class CompiledDecodeConfig:
     repetitions: int = 5
     bandwidth_mib: int = 512       # the buffer the bandwidth is measured on (larger than the caches)
     first_start: bool = True       # also time a start with an empty inductor cache (minutes on 2 cores)
-    fill_cache_first: bool = True  # one untimed start before the timed later start (the in-process compiled engine
-    # fills the cache too, but only for its own thread count and shapes)
+    fill_cache_first: bool = True  # one untimed start first, so that the timed later start reads a filled cache
 
 
 def memory_bandwidth(mib: int, repeats: int = 7) -> Dict[str, float]:
@@ -93,11 +92,11 @@ def _spread(values: List[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
-def timed_starts(config: CompiledDecodeConfig, dtype: str, num_blocks: int) -> Dict[str, dict]:
-    """Building a compiled engine in fresh processes: with an empty inductor cache ("first") and with the cache on
-    disk ("later"; one untimed start first unless `fill_cache_first` is off)."""
+def run_dtype(config: CompiledDecodeConfig, dtype: str, bandwidth: Dict[str, float]) -> dict:
+    from paged_backend import LLMEngine
     from paged_backend.worker.compiled_forward import inductor_cache_dir
 
+    num_blocks = (config.prompt_tokens + config.decode_steps) // 16 + 4
     starts = {}
     if config.first_start:
         with tempfile.TemporaryDirectory(prefix="inductor-") as empty:
@@ -105,13 +104,6 @@ def timed_starts(config: CompiledDecodeConfig, dtype: str, num_blocks: int) -> D
     if config.fill_cache_first:
         timed_start(config.model, dtype, inductor_cache_dir(), num_blocks)   # fills the cache if it is empty
     starts["later"] = timed_start(config.model, dtype, inductor_cache_dir(), num_blocks)
-    return starts
-
-
-def run_dtype(config: CompiledDecodeConfig, dtype: str, bandwidth: Dict[str, float]) -> dict:
-    from paged_backend import LLMEngine
-
-    num_blocks = (config.prompt_tokens + config.decode_steps) // 16 + 4
     model, _ = load_bench_model(config.model, dtype=getattr(torch, dtype))
     engines = {"eager": LLMEngine(model, num_blocks=num_blocks),
                "compiled": LLMEngine(model, num_blocks=num_blocks, compile="blocking")}
@@ -124,7 +116,6 @@ def run_dtype(config: CompiledDecodeConfig, dtype: str, bandwidth: Dict[str, flo
         for name, engine in engines.items():
             ms, tokens[name] = decode_ms(engine, prompt, config.decode_steps)
             times[name].append(ms)
-    starts = timed_starts(config, dtype, num_blocks)   # after the compiled engine above has filled the cache
     weights = weight_bytes(model)
     return {"dtype": dtype, "weight_bytes": weights, "floor_ms": weights / (bandwidth["best_gb_s"] * 1e9) * 1000,
             "decode_ms": {name: _spread(values) for name, values in times.items()},
