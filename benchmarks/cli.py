@@ -53,6 +53,8 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--max-output-len": ("max_output_len", int, "throughput: cap ShareGPT output lengths"),
     "--kv-slots": ("kv_slots", int, "KV cache budget in token slots, the same for every system"),
     "--block-size": ("block_size", int, "tokens per KV block of the paged engine"),
+    "--dtype": ("dtype", str, "throughput/serving: model precision, e.g. float32, bfloat16 (serving: llama.cpp "
+                              "runs the GGUF of the same precision)"),
     "--seed": ("seed", int, "seed of the trace sampling and arrivals"),
     "--threads": ("threads", int, "torch threads (default: the size's; none: 1 if the machine is busy, else all)"),
     "--repetitions": ("repetitions", int, "throughput/serving/structured: interleaved rounds (median and range "

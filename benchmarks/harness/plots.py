@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 CATEGORIES = [("token_states", "token states", "#2e7d32"), ("reserved", "reserved", "#f9a825"),
               ("internal", "internal frag.", "#ef6c00"), ("external", "external frag.", "#c62828")]
 SYSTEM_COLORS = {"paged": "#1565c0", "oracle": "#6a1b9a", "pow2": "#ad1457", "max": "#4e342e",
-                 "hf-static": "#757575", "hf-continuous": "#00838f", "hf-serve": "#00838f"}
+                 "hf-static": "#757575", "hf-continuous": "#00838f", "hf-serve": "#00838f",
+                 "llama.cpp": "#ef6c00", "llama.cpp-f16": "#ffb74d"}
 
 
 def _save(fig, path: Path) -> Path:
@@ -119,7 +120,8 @@ def plot_serving(result: dict, path: Path) -> Path:
     axes[0].legend(fontsize=7)
     c = result["config"]
     fig.suptitle(f"guidellm {result['guidellm']}: {c['prompt_tokens']}-token prompts, {c['output_tokens']} output "
-                 f"tokens, {c['model']}, {c['kv_slots']} KV slots and {c['threads']} threads per server", fontsize=10)
+                 f"tokens, {c['model']} {c['dtype']}, {c['kv_slots']} KV slots and {c['threads']} threads per server",
+                 fontsize=10)
     return _save(fig, path)
 
 

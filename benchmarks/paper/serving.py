@@ -1,8 +1,8 @@
 """Benchmark 4, serving over HTTP: guidellm (the vLLM project's load generator) drives each server with
 synthetic prompts of a fixed token count and forced output lengths at concurrencies 1 to 32; our server
 (`paged-backend serve`), `transformers serve --continuous-batching` and the reservation baseline behind our
-HTTP app run side by side on the same weights, KV budget and threads, in interleaved rounds (A, B, C, A, B,
-C, ...). Rows are medians with their range; ratios are paired within a round. The cores each server kept
+HTTP app run side by side on the same weights, KV budget and threads, and llama.cpp's `llama-server` on a GGUF
+of the same weights at equal precision, in interleaved rounds (A, B, C, A, B, C, ...). Rows are medians with their range; ratios are paired within a round. The cores each server kept
 busy during each concurrency are read from /proc while it runs."""
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from typing import Dict, List, Optional, Tuple
 
 from paged_backend.benchmarks.paper.engine_runs import set_threads
 from paged_backend.benchmarks.paper.guidellm_env import GUIDELLM_VERSION, guidellm_executable
+from paged_backend.benchmarks.paper.llama_cpp import LlamaCpp, prepare
 from paged_backend.benchmarks.paper.guidellm_run import GuidellmLoad, read_report, run_guidellm, scenario
 from paged_backend.benchmarks.harness.repeat import interleaved_order
 from paged_backend.benchmarks.harness.report import BenchmarkSpec
 from paged_backend.benchmarks.harness.server_process import CpuSampler, ServerProcess, launch, wait_ready
 from paged_backend.benchmarks.paper.serving_rows import check_serving, serving_table, summarize_serving
-from paged_backend.benchmarks.paper.serving_systems import (SERVED_SYSTEMS, ServedSystem, paged_system, reservation_system, served_model_dir,
-                              transformers_system)
+from paged_backend.benchmarks.paper.serving_systems import (LLAMA_CPP_SYSTEMS, SERVED_SYSTEMS, ServedSystem,
+                                                            gguf_type, llama_cpp_system, llama_slot_context,
+                                                            paged_system, reservation_system, served_model_dir,
+                                                            transformers_system)
 
 
 @dataclass
@@ -46,32 +49,53 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         self.systems, self.concurrencies = tuple(self.systems), tuple(self.concurrencies)
-        unknown = set(self.systems) - set(SERVED_SYSTEMS + ("pow2", "max"))
+        unknown = set(self.systems) - set(SERVED_SYSTEMS + LLAMA_CPP_SYSTEMS + ("pow2", "max"))
         if unknown or not self.systems:
-            raise ValueError(f"unknown systems {sorted(unknown)}; use {SERVED_SYSTEMS} (and pow2, max)")
+            raise ValueError(f"unknown systems {sorted(unknown)}; use {SERVED_SYSTEMS + LLAMA_CPP_SYSTEMS} "
+                             f"(and pow2, max)")
+        for name in self.llama_cpp_systems():
+            gguf_type(name, self.dtype)          # refuses a llama.cpp peer of unequal precision
         if not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError(f"concurrencies must be positive, got {self.concurrencies}")
         if self.kv_slots % self.block_size:
             raise ValueError(f"kv_slots={self.kv_slots} is not a multiple of block_size={self.block_size}")
 
+    def llama_cpp_systems(self) -> List[str]:
+        return [name for name in self.systems if name in LLAMA_CPP_SYSTEMS]
+
     def requests(self) -> List[int]:
         return [max(self.min_requests, self.requests_per_stream * c) for c in self.concurrencies]
 
 
-ANCHOR = {"model": "smollm2", "concurrencies": (1, 2, 4, 8, 16, 32), "prompt_tokens": 128, "output_tokens": 64,
-          "kv_slots": 3072, "block_size": 16, "repetitions": 3, "threads": 2, "dtype": "float32"}
+ANCHOR = {"model": "smollm2", "systems": SERVED_SYSTEMS + ("llama.cpp",), "concurrencies": (1, 2, 4, 8, 16, 32),
+          "prompt_tokens": 128, "output_tokens": 64, "kv_slots": 3072, "block_size": 16, "repetitions": 3,
+          "threads": 2, "dtype": "float32"}
+# The half-precision comparison: our bfloat16 against llama.cpp's bf16 GGUF and its f16 GGUF (its fastest 16-bit
+# path on a CPU that converts f16 cheaply), transformers serve in bfloat16 beside them.
+ANCHOR_HALF = {**ANCHOR, "systems": ("paged", "hf-serve", "llama.cpp", "llama.cpp-f16"), "dtype": "bfloat16"}
 # One concurrency and one round (each guidellm sweep costs seconds of start-up whatever its size), with KV for two
 # of the four concurrent requests, so every server meets memory pressure.
 QUICK = {"model": "tiny-llama", "concurrencies": (4,), "prompt_tokens": 16, "output_tokens": 8, "min_requests": 4,
          "requests_per_stream": 1, "kv_slots": 64, "repetitions": 1, "threads": 1}
-SIZES = {"quick": QUICK, "anchor": ANCHOR}
+SIZES = {"quick": QUICK, "anchor": ANCHOR, "anchor-half": ANCHOR_HALF}
 
 
-def _systems(config: ServingConfig, model_dir: Path) -> List[ServedSystem]:
+def _llama_cpp(config: ServingConfig, model_dir: Path) -> Optional[LlamaCpp]:
+    """Build llama-server and convert the model for the llama.cpp systems asked for (each once; None if none)."""
+    kinds = sorted({gguf_type(name, config.dtype) for name in config.llama_cpp_systems()})
+    return prepare(model_dir, kinds) if kinds else None
+
+
+def _systems(config: ServingConfig, model_dir: Path, threads: int, llama: Optional[LlamaCpp]) -> List[ServedSystem]:
     limit = config.max_model_len
     built = []
     for name in config.systems:
-        if name == "paged":
+        if name in LLAMA_CPP_SYSTEMS:
+            kind = gguf_type(name, config.dtype)
+            built.append(llama_cpp_system(name, llama.server, llama.gguf[kind], kind, threads,
+                                          max(config.concurrencies), llama_slot_context(
+                                              config.prompt_tokens, config.output_tokens, limit), config.model))
+        elif name == "paged":
             built.append(paged_system(model_dir, config.kv_slots, config.block_size, limit, config.dtype))
         elif name == "hf-serve":
             built.append(transformers_system(model_dir, config.kv_slots, config.block_size, config.max_batch_tokens,
@@ -122,8 +146,9 @@ def run_serving(config: ServingConfig, scratch_dir: Path) -> dict:
     threads = set_threads(config.threads)
     executable = guidellm_executable()          # before any server starts: a first build takes minutes
     model_dir = served_model_dir(config.model)
+    llama = _llama_cpp(config, model_dir)     # before any server starts: a first build takes 15-30 minutes
     work_dir = Path(scratch_dir) / "guidellm"
-    systems = _systems(config, model_dir)
+    systems = _systems(config, model_dir, threads, llama)
     load = GuidellmLoad(config.concurrencies, config.requests(), config.prompt_tokens, config.output_tokens,
                         config.seed, config.request_timeout_s)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -155,7 +180,7 @@ def run_serving(config: ServingConfig, scratch_dir: Path) -> dict:
             "guidellm": GUIDELLM_VERSION, "model_dir": str(model_dir), "requests_per_concurrency": config.requests(),
             "servers": {s.name: {"label": s.label, "argv": s.argv[1:], "force_length": s.force_length(
                 config.output_tokens)} for s in systems},
-            "server_exit_codes": exits, "order": [[r, n] for r, n in interleaved_order(
+            "llama_cpp": llama.record() if llama else None, "server_exit_codes": exits, "order": [[r, n] for r, n in interleaved_order(
                 [s.name for s in systems], config.repetitions)],
             "runs": runs, "rows": summarize_serving(runs, [s.name for s in systems], config.concurrencies)}
 

@@ -54,8 +54,24 @@ def serving_table(result: dict) -> str:
     c = result["config"]
     title = (f"Serving over HTTP under guidellm {result['guidellm']}: {c['prompt_tokens']}-token synthetic prompts, "
              f"{c['output_tokens']} forced output tokens, {c['model']} {c['dtype']}, {c['kv_slots']} KV slots and "
-             f"{c['threads']} threads per server; median (range) of {c['repetitions']} interleaved rounds")
+             f"{c['threads']} threads per server; median (range) of {c['repetitions']} interleaved rounds"
+             f"{llama_cpp_note(result)}")
     return format_table(headers, rows, title)
+
+
+def llama_cpp_note(result: dict) -> str:
+    """What the llama.cpp rows ran: its GGUF and KV precision, slots and their context (empty if none ran)."""
+    peers = [(name, server["argv"]) for name, server in result["servers"].items() if name.startswith("llama.cpp")]
+    if not peers:
+        return ""
+    parts = []
+    for name, argv in peers:
+        option = dict(zip(argv, argv[1:]))
+        slots, context = int(option["--parallel"]), int(option["--ctx-size"])
+        parts.append(f"{name}: {option['--cache-type-k']} GGUF and KV cache, {slots} slots of {context // slots} "
+                     f"tokens")
+    commit = (result.get("llama_cpp") or {}).get("llama_cpp_commit")
+    return f"; llama.cpp {commit or '(commit unknown)'} " + "; ".join(parts)
 
 
 def check_serving(result: dict) -> List[str]:

@@ -1,11 +1,14 @@
-"""The servers the serving benchmark compares, all on the same weights, KV budget and threads: our engine
+"""The servers the serving benchmark compares, all on the same weights, precision and threads: our engine
 (`paged-backend serve`), transformers' own server with continuous batching (`transformers serve
---continuous-batching`) and the reservation baseline behind our HTTP app; each with the request fields that
-force its output length (ours take `ignore_eos`; transformers rejects it and takes a `generation_config`)."""
+--continuous-batching`), the reservation baseline behind our HTTP app (those three on the same KV budget) and
+llama.cpp's `llama-server` on a GGUF of the same weights (its slots each hold a whole request's context); each with
+the request fields that force its output length (ours and llama.cpp take `ignore_eos`; transformers rejects it and
+takes a `generation_config`)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -16,8 +19,13 @@ from typing import Callable, Dict, List, Optional, Pattern
 from paged_backend.benchmarks.harness.server_process import OUR_READY, UVICORN_READY, free_port
 
 SERVED_SYSTEMS = ("paged", "hf-serve", "oracle")
+LLAMA_CPP_SYSTEMS = ("llama.cpp", "llama.cpp-f16")
 LABELS = {"paged": "paged-backend serve", "hf-serve": "transformers serve --continuous-batching",
-          "oracle": "reservation baseline (oracle)"}
+          "oracle": "reservation baseline (oracle)", "llama.cpp": "llama.cpp llama-server, GGUF of equal precision",
+          "llama.cpp-f16": "llama.cpp llama-server, f16 GGUF"}
+# our dtype -> the GGUF (weights and KV cache) of equal precision; llama.cpp-f16 pairs f16 with a 16-bit dtype
+EQUAL_GGUF = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+LLAMA_READY = re.compile(r"listening on (http://\S+)")    # printed once the model is loaded
 _TRANSFORMERS_CLI = ("import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; "
                      "sys.exit(main())")
 
@@ -109,3 +117,32 @@ def transformers_system(model_dir: Path, kv_slots: int, block_size: int, max_bat
             "--cb-max-batch-tokens", str(max_batch_tokens), "--device", "cpu", "--dtype", dtype,
             "--host", "127.0.0.1", "--port", str(free_port())]
     return ServedSystem("hf-serve", argv, UVICORN_READY, _transformers_force, {"HF_HUB_OFFLINE": "1"})
+
+
+def gguf_type(system: str, dtype: str) -> str:
+    """The GGUF precision a llama.cpp system serves beside our server at `dtype`; refuses unequal pairs."""
+    if dtype not in EQUAL_GGUF:
+        raise ValueError(f"llama.cpp has no GGUF of {dtype}; its systems run beside {', '.join(EQUAL_GGUF)}")
+    if system == "llama.cpp-f16" and dtype == "float32":
+        raise ValueError("llama.cpp-f16 is a half-precision peer: run it with --dtype bfloat16 or float16")
+    return "f16" if system == "llama.cpp-f16" else EQUAL_GGUF[dtype]
+
+
+def llama_slot_context(prompt_tokens: int, output_tokens: int, max_model_len: Optional[int]) -> int:
+    """Tokens of context per llama.cpp slot: the context limit if one is set, else a whole request with room for
+    tokenizer differences, in multiples of 256."""
+    if max_model_len is not None:
+        return max_model_len
+    return -(-(prompt_tokens + output_tokens + 64) // 256) * 256
+
+
+def llama_cpp_system(name: str, server: Path, gguf: Path, kv_type: str, threads: int, slots: int,
+                     slot_context: int, alias: str) -> ServedSystem:
+    """`llama-server` on 127.0.0.1 (a port of its own choosing) with `slots` parallel slots of `slot_context`
+    tokens each (continuous batching across slots), `threads` threads for decode and prompt batches, and a KV
+    cache of `kv_type` (equal to the weights' precision)."""
+    argv = [str(server), "--model", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", "0",
+            "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(slots),
+            "--ctx-size", str(slots * slot_context), "--no-kv-unified", "--cont-batching",
+            "--cache-type-k", kv_type, "--cache-type-v", kv_type, "--no-webui"]
+    return ServedSystem(name, argv, LLAMA_READY, _ours_force)
