@@ -136,7 +136,7 @@ def test_llama_cpp_rows_pair_with_ours_and_the_table_names_what_ran():
     result = {"rows": rows, "config": config, "guidellm": "0.8.1", "llama_cpp": {"llama_cpp_commit": "0c1e57098"},
               "servers": {"paged": {"argv": ["-m", "x"]}, "llama.cpp": {"argv": system.argv[1:]}}}
     table = serving_table(result)
-    assert "llama.cpp 0c1e57098 llama.cpp: f32 GGUF and KV cache, 32 slots of 256 tokens" in table
+    assert "llama.cpp at 0c1e57098: llama.cpp f32 GGUF and KV cache, 32 slots of 256 tokens" in table
     assert "1.75x (1.50-2.00)" in table                               # the paired ratios' median and range
 
 
