@@ -68,8 +68,8 @@ def llama_cpp_note(result: dict) -> str:
     for name, argv in peers:
         option = dict(zip(argv, argv[1:]))
         slots, context = int(option["--parallel"]), int(option["--ctx-size"])
-        parts.append(f"{name} {option['--cache-type-k']} GGUF and KV cache, {slots} slots of {context // slots} "
-                     f"tokens")
+        parts.append(f"{name} {option['--cache-type-k']} GGUF and KV cache, {slots} slot{'s' * (slots > 1)} of "
+                     f"{context // slots} tokens")
     commit = (result.get("llama_cpp") or {}).get("llama_cpp_commit")
     return f"; llama.cpp at {commit or 'an unknown commit'}: " + ", ".join(parts)
 
