@@ -139,6 +139,38 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
             "running": running}
 
 
+def engine_vocab(model, tokenizer) -> int:
+    """The vocabulary the engine samples over (the model's output width)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def time_logits_pass(vocab: int, rows: int, repeats: int) -> dict:
+    """The step's floor on this machine: the sampler's greedy pass over `rows` x `vocab` float32 logits (each
+    row's maximum and log-normaliser, as a step without overlap computes them), alone; median of `repeats`."""
+    from paged_backend import kernels
+
+    runner = ReadyLogitsRunner(vocab, 0)
+    logits = runner.execute(_Rows(rows))
+    kernels.greedy_rows(logits)   # warm: the kernel library loaded, the pages touched
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernels.greedy_rows(logits)
+        times.append(time.perf_counter() - start)
+    ms = sorted(1000 * t for t in times)
+    return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1]}
+
+
+@dataclass
+class _Rows:
+    """What `ReadyLogitsRunner.execute` reads of a step's inputs: how many rows are sampled."""
+    count: int
+
+    @property
+    def sample_indices(self) -> range:
+        return range(self.count)
+
+
 def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
     """One batch size: the ready-logits step (with its phases) and the sleeping-runner step, without and with
     overlapped scheduling (the latter only when the engine has it)."""
@@ -154,6 +186,7 @@ def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
            "phase_calls": {name: timer.calls[name] for name in HOST_PHASES if name != "other"},
            "device_ms": config.device_ms,
            "sleep_sync": time_steps(model, tokenizer, prompts, config, off, config.device_ms)}
+    row["logits_pass"] = time_logits_pass(engine_vocab(model, tokenizer), len(prompts), steps)
     if overlap:
         row["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
         row["sleep_overlap"] = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
@@ -169,9 +202,16 @@ def host_table(rows: List[dict], config: dict) -> List[List[str]]:
     out = []
     for r in rows:
         d = r["device_ms"]
-        out.append([str(r["running"]), cell(r, "ready_sync"), cell(r, "ready_overlap"), cell(r, "sleep_sync", d),
-                    cell(r, "sleep_overlap", d)])
+        out.append([str(r["running"]), cell(r, "ready_sync"), cell(r, "logits_pass"), cell(r, "ready_overlap"),
+                    cell(r, "sleep_sync", d), cell(r, "sleep_overlap", d)])
     return out
+
+
+def host_headers(device_ms: float) -> List[str]:
+    """The host table's column names."""
+    d = device_ms
+    return ["running seqs", "ready: step ms", "of it: logits pass", "ready, overlap: ms", f"D={d:g} ms: step - D",
+            f"D={d:g}, overlap: - D"]
 
 
 def phase_rows(rows: List[dict]) -> List[List[str]]:
@@ -219,12 +259,13 @@ def host_overhead_table(result: dict) -> str:
     c = result["config"]
     d = c["device_ms"]
     steps = format_table(
-        ["running seqs", "ready: step ms", "ready, overlap: ms", f"D={d:g} ms: step - D", f"D={d:g}, overlap: - D"],
-        host_table(result["host"], c),
+        host_headers(d), host_table(result["host"], c),
         f"The engine alone ({c['model']}'s tokenizer, greedy, {c['prompt_len']}-token prompts, median of "
         f"{c['host_steps']} decode steps, {result['conditions'].get('torch_threads')} threads): a runner that "
         f"returns ready logits, and one that sleeps D ms per forward (step time minus D); without and with "
-        f"overlapped scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}")
+        f"overlapped scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}. Logits pass: the "
+        f"sampler's one pass over the step's logits (argmax and log-normaliser), alone: the part of a step no "
+        f"bookkeeping can remove on this machine (-: not measured)")
     phases = format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),
                           "Where the ready-logits step's time goes, without overlap (ms per step)")
     return steps + "\n\n" + phases

@@ -24,8 +24,8 @@ from paged_backend import LLMEngine, SamplingParams
 from paged_backend.benchmarks.paper.engine_runs import leaked_blocks, load_bench_model, release, set_threads
 from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table, percent
 from paged_backend.benchmarks.harness.workloads import make_trace
-from paged_backend.benchmarks.micro.host_overhead import (HOST_PHASES, ExclusiveTimer, has_overlap, host_table,
-                                                          measure_host, phase_rows, wrapped_methods)
+from paged_backend.benchmarks.micro.host_overhead import (HOST_PHASES, ExclusiveTimer, has_overlap, host_headers,
+                                                          host_table, measure_host, phase_rows, wrapped_methods)
 
 PHASES = ("schedule", "block_manager", "prepare_inputs", "forward", "attention", "sampling", "bookkeeping", "other")
 PAPER_NOTE = ("the paper gives no CPU-side step breakdown; its Fig. 18a reports the PagedAttention kernel "
@@ -142,8 +142,7 @@ def overhead_table(result: dict) -> str:
     if result.get("host"):
         d = c.get("device_ms", 25.0)
         tables.append(format_table(
-            ["running seqs", "ready: step ms", "ready, overlap: ms", f"D={d:g} ms: step - D", f"D={d:g}, overlap: - D"],
-            host_table(result["host"], c),
+            host_headers(d), host_table(result["host"], c),
             f"The engine alone: stand-in runners ({c['model']}'s tokenizer, greedy, median of {c['host_steps']} decode "
             f"steps); ready logits, and a runner that sleeps D ms (step time minus D), without and with overlapped "
             f"scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}"))
