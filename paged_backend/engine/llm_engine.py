@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
+from typing import Callable, Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 import torch
 
@@ -34,6 +34,10 @@ from paged_backend.worker.sizing import KVCacheSize, size_kv_cache
 from paged_backend.worker.step_inputs import Runner
 from paged_backend.engine.step_loop import StepLoop
 from paged_backend.engine.step_pipeline import LaunchedStep, StepWorker
+from paged_backend.engine.spec_decode.policy import SpecPolicy
+from paged_backend.engine.spec_decode.proposers import make_proposer
+from paged_backend.engine.spec_decode.speculator import Speculator
+from paged_backend.engine.spec_decode.verifier import DraftVerifier, SpecCounters
 from paged_backend.engine.streaming import DeltaTracker
 from paged_backend.engine.token_processor import TokenProcessor, sample_generator
 
@@ -109,6 +113,7 @@ class LLMEngine(StepLoop):
         self._cache_info = cache_config_info(self.config.cache, self.kv_size, self.sliding_window)
         self.tokens = TokenProcessor(self.block_manager, self.sampler, self.tokenizer,
                                      self.counters, self.eos_token_ids, self.max_model_len)
+        self.speculator, self.spec_counters = self._make_speculation()
         self._worker = StepWorker(threaded=self.config.scheduler.async_scheduling)
         self._inflight: Optional[LaunchedStep] = None   # the step launched ahead (overlapped scheduling)
 
@@ -154,6 +159,21 @@ class LLMEngine(StepLoop):
         lora = self.config.lora
         layers = LoRALayers(self.model, lora.max_loras, lora.max_lora_rank) if self.loras is not None else None
         return ModelRunner(self.model, cache, layers, compile=self.config.compilation.compile)
+
+    def _make_speculation(self) -> Tuple[Optional[Speculator], SpecCounters]:
+        """The proposer, policy and verifier of speculative decoding (`speculative_config`), or None."""
+        counters = SpecCounters()
+        spec = self.config.speculative
+        if spec is None:
+            return None, counters
+        if self.sliding_window is not None:
+            raise ValueError(f"speculative_config: {type(self.model).__name__} attends through a sliding window, "
+                             "which speculative decoding does not support yet")
+        proposer = make_proposer(spec, self)
+        policy = SpecPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size)
+        self.tokens.verifier = DraftVerifier(self.tokens, policy, counters)
+        return Speculator(proposer, policy, self.block_manager,
+                          self.config.scheduler.max_num_batched_tokens), counters
 
     # ---- requests ----------------------------------------------------------------------------
     @property
@@ -373,6 +393,10 @@ class LLMEngine(StepLoop):
             finish_reasons=dict(self.counters.finish_reasons),
             histograms=self.counters.histogram_snapshots(), cache_config=self._cache_info,
             lora_info=self._lora_info(), num_lora_loads=self.loras.num_slot_loads if self.loras is not None else 0,
+            spec_decode_num_drafts=self.spec_counters.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_counters.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            spec_decode_acceptance_rate=self.spec_counters.acceptance_rate,
             timestamp=time.time())
 
     def _lora_info(self) -> Dict[str, str]:

@@ -1,0 +1,100 @@
+"""The engine's side of speculative decoding before a step: which sequences speculate, their proposals (within
+the step's token budget and the free KV blocks), and dropping the proposals the scheduler did not schedule.
+
+A sequence speculates when its request runs one sequence (n = best_of = 1, no beam search), needs no per-row
+processing (penalties, logits processors, min_tokens masking, structured output), is not a seeded sampled
+request (its draws would depend on how many proposals the load allowed), and every one of its tokens is known:
+only a step launched with nothing in flight proposes (see step_loop.py)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.scheduler_output import SchedulerOutput
+from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_backend.engine.spec_decode.policy import SpecPolicy
+from paged_backend.engine.spec_decode.proposer import Proposer
+from paged_backend.engine.token_processor import SamplingPlan, StepRows
+
+
+def speculates(group: SequenceGroup) -> bool:
+    """Whether the request's sequence may speculate at all (its parameters allow it)."""
+    params = group.sampling_params
+    if params.use_beam_search or params.num_branches != 1 or len(group.seqs) != 1:
+        return False
+    if params.seed is not None and params.temperature >= 1e-6:
+        return False
+    plan = group.sampling_plan or SamplingPlan.of(group)
+    return not plan.processed
+
+
+def ready(seq: Sequence) -> bool:
+    """A running sequence with exactly one token to compute, its last one, known (nothing pending)."""
+    return (seq.status is SequenceStatus.RUNNING and not seq.num_pending and not seq.draft_token_ids
+            and len(seq.token_ids) - seq.num_computed_tokens == 1)
+
+
+class Speculator:
+    """Proposes draft tokens for the sequences of a step about to be scheduled."""
+
+    def __init__(self, proposer: Proposer, policy: SpecPolicy, block_manager: BlockManager,
+                 max_num_batched_tokens: int) -> None:
+        self.proposer = proposer
+        self.policy = policy
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._drafted: List[Sequence] = []
+
+    @staticmethod
+    def batch_size(running: List[SequenceGroup]) -> int:
+        return sum(group.num_unfinished_seqs() for group in running)
+
+    def propose(self, running: List[SequenceGroup]) -> None:
+        """Set the draft tokens of the running sequences that speculate this step."""
+        batch = self.batch_size(running)
+        k = self.policy.num_tokens(batch)
+        if not k:
+            return
+        seqs = [g.seqs[0] for g in running if g.fork_pending_len is None and speculates(g) and ready(g.seqs[0])]
+        if not seqs:
+            return
+        limits = [k if seq.max_len is None else max(0, min(k, seq.max_len - len(seq.token_ids) - 1)) for seq in seqs]
+        proposals = self.proposer.propose(seqs, limits)
+        bm = self.block_manager
+        tokens_left = self.max_num_batched_tokens - batch            # every running sequence computes a token
+        blocks_left = bm.get_num_free_blocks() - bm.watermark_blocks - batch   # and may take a block for it
+        found = False
+        for seq, drafts in zip(seqs, proposals):
+            if not drafts or tokens_left <= 0:
+                continue
+            length = len(seq.token_ids)
+            have = bm.blocks_for(length)
+            room = (have + max(0, blocks_left)) * bm.block_size - length   # draft slots the free blocks allow
+            drafts = drafts[:min(tokens_left, room)]
+            if not drafts:
+                continue
+            seq.draft_token_ids = list(drafts)
+            self._drafted.append(seq)
+            tokens_left -= len(drafts)
+            blocks_left -= bm.blocks_for(length + len(drafts)) - have
+            found = True
+        self.policy.proposed(found)
+
+    def settle(self, sched: SchedulerOutput) -> None:
+        """After scheduling: a sequence that was preempted or left out keeps no draft tokens (nor their slots)."""
+        if not self._drafted:
+            return
+        scheduled = {id(item.seq) for item in sched.scheduled if item.samples}
+        for seq in self._drafted:
+            if id(seq) not in scheduled and seq.draft_token_ids:
+                seq.draft_token_ids = []
+                self.block_manager.release_slots_after(seq, seq.len_with_pending)
+        self._drafted = []
+
+    def wants_fresh_step(self, rows: StepRows, running: List[SequenceGroup]) -> bool:
+        """Whether the step after this one should be launched once this one is processed (not overlapped), so
+        that it can propose: some row of this step samples for a sequence that would speculate next."""
+        if self.policy.num_tokens(self.batch_size(running)) == 0:
+            return False
+        return any(speculates(item.group) for item in rows.samplers)

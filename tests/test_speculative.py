@@ -1,0 +1,210 @@
+"""Speculative decoding (issue 25): `speculative_config` is validated; prompt lookup finds its n-grams; greedy
+output is token-identical with speculation on and off, alone and mixed with requests that do not speculate,
+under memory pressure (swap and recompute) with prefix caching, with every stop condition; rejected positions
+leave no block behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_no_leaks, get_model
+from paged_backend import LLMEngine, SamplingParams
+from paged_backend.config import EngineConfig
+from paged_backend.engine.spec_decode.ngram_proposer import ngram_lookup
+from spec_oracle import with_oracle
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+# ---- configuration --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, message", [
+    ({"method": "ngram", "num_speculative_token": 4}, "num_speculative_token"),
+    ({"method": "medusa"}, "medusa"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "draft_model"}, "model"),
+    ("ngram", "dict"),
+])
+def test_bad_speculative_config_is_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(speculative_config=value)
+
+
+def test_speculative_config_reaches_the_engine():
+    config = EngineConfig.from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          "prompt_lookup_min": 2, "prompt_lookup_max": 5})
+    assert (config.speculative.num_speculative_tokens, config.speculative.prompt_lookup_min,
+            config.speculative.prompt_lookup_max) == (3, 2, 5)
+    model, tok = get_model("tiny-llama", torch.float32)
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=16, speculative_config=NGRAM)
+    assert engine.speculator is not None and engine.speculator.policy.k == 4
+    assert LLMEngine(model, tokenizer=tok, num_blocks=16).speculator is None
+
+
+# ---- prompt lookup --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens, k, expected", [
+    ([1, 2, 3, 4, 5, 9, 9, 1, 2, 3], 3, [4, 5, 9]),          # the longest suffix (1 2 3) found earlier
+    ([7, 8, 1, 2, 3, 4, 5, 6, 2, 3], 2, [4, 5]),             # "2 3" occurs once before
+    ([1, 2, 3], 2, []),                                      # nothing earlier
+    ([5, 1, 6, 2, 5, 1, 6, 3, 5, 1], 2, [6, 3]),             # the latest occurrence followed by k tokens
+    ([5, 1, 6, 2, 5, 1], 3, [6, 2, 5]),                      # none has k tokens after the latest: the earliest
+    ([4, 4, 4, 4], 4, [4]),                                  # the longest suffix (4 4 4) wins
+])
+def test_ngram_lookup(tokens, k, expected):
+    assert ngram_lookup(np.array(tokens), 1, 3, k) == expected
+
+
+def test_ngram_lookup_respects_the_minimum_size():
+    tokens = np.array([1, 2, 9, 8, 7, 6, 2])          # only a 1-gram ("2") occurs earlier
+    assert ngram_lookup(tokens, 1, 3, 2) == [9, 8]
+    assert ngram_lookup(tokens, 2, 3, 2) == []
+
+
+# ---- greedy exactness ----------------------------------------------------------------------------------------
+PROMPTS = [list(range(10 + i, 26 + 3 * i)) for i in range(3)]
+
+
+def run(model, tok, requests, spec=None, oracle=None, check=None, **options):
+    """Final outputs of `requests` ((id, prompt, params) in arrival order) and the engine."""
+    options.setdefault("num_blocks", 128)
+    options.setdefault("block_size", 8)
+    engine = LLMEngine(model, tokenizer=tok, speculative_config=spec, **options)
+    if oracle is not None:
+        with_oracle(engine, oracle)
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if check is not None:
+            check(engine)
+        steps += 1
+        assert steps < 2000, engine.get_stats()
+    assert_no_leaks(engine)
+    return finals, engine
+
+
+def known(requests, finals):
+    """The oracle's continuations: each request's output without speculation."""
+    return [(prompt, finals[rid].outputs[0].token_ids) for rid, prompt, _ in requests]
+
+
+def tables_cover_only_known_tokens(engine) -> None:
+    """After every step: no table holds a block past its sequence's slots (a rejected position's block freed),
+    and no sequence has more blocks in the prefix cache than its known tokens fill."""
+    bm = engine.block_manager
+    for group in engine.scheduler.running:
+        for seq in group.seqs:
+            table = bm.block_tables.get(seq.seq_id)
+            if table is None or seq.is_finished():
+                continue
+            assert len(table) <= bm.blocks_for(seq.len_with_pending), (seq, table)
+            assert bm._num_registered.get(seq.seq_id, 0) * bm.block_size <= len(seq.token_ids), seq
+
+
+def assert_same(got, want, dtype, rids=None):
+    for rid in rids or want:
+        a, b = got[rid], want[rid]
+        assert a.error is None and b.error is None, (rid, a.error, b.error)
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == \
+                (y.token_ids, y.text, y.finish_reason, y.stop_reason), rid
+            tolerance = 1e-9 if dtype == torch.float64 else 1e-3
+            assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=tolerance * len(x.token_ids)), rid
+            if y.logprobs:
+                for p, q in zip(x.logprobs, y.logprobs, strict=True):
+                    assert p.keys() == q.keys(), rid
+                    for t in p:
+                        assert p[t].logprob == pytest.approx(q[t].logprob, abs=tolerance), rid
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_greedy_output_is_identical_mixed_with_requests_that_do_not_speculate(name, dtype):
+    """Three speculating greedy requests (one asking for top logprobs) in one batch with a greedy request that
+    gets no proposals, a seeded sampled one, a beam search and a structured-output request: every output is
+    what it is without speculation; drafts were accepted and rejected."""
+    model, tok = get_model(name, dtype)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    requests = [(f"g{i}", p, greedy if i else SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                            logprobs=2))
+                for i, p in enumerate(PROMPTS)]
+    others = [("plain", list(range(200, 211)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
+              ("sampled", list(range(300, 309)), SamplingParams(temperature=0.8, seed=7, max_tokens=20,
+                                                                ignore_eos=True)),
+              ("beam", list(range(400, 407)), SamplingParams(beam_width=2, n=2, temperature=0, max_tokens=8)),
+              ("json", list(range(500, 506)), SamplingParams(temperature=0, max_tokens=10,
+                                                             structured_outputs={"choice": ["yes", "no"]}))]
+    want, _ = run(model, tok, requests + others)
+    got, engine = run(model, tok, requests + others, NGRAM, oracle=known(requests, want),
+                      check=tables_cover_only_known_tokens)
+    assert_same(got, want, dtype)
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0, stats
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
+    assert stats.num_steps < max(len(o.outputs[0].token_ids) for o in want.values()) + 2
+    assert 0 < stats.spec_decode_acceptance_rate < 1
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_output_is_identical_under_memory_pressure(mode, dtype):
+    """A cache too small for the batch: requests are preempted (by swapping or by recomputation) while they
+    speculate, and share prompt prefixes through the prefix cache; outputs are unchanged and no block leaks."""
+    model, tok = get_model("tiny-llama", dtype)
+    prefix = list(range(50, 66))
+    requests = [(f"r{i}", prefix + list(range(100 + 7 * i, 104 + 8 * i)),
+                 SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)) for i in range(4)]
+    options = dict(num_blocks=22, block_size=4, preemption_mode=mode, num_swap_blocks=64)
+    want, _ = run(model, tok, requests, **options)
+    got, engine = run(model, tok, requests, NGRAM, oracle=known(requests, want),
+                      check=tables_cover_only_known_tokens, **options)
+    assert_same(got, want, dtype)
+    stats = engine.get_stats()
+    preemptions = stats.num_swap_preemptions if mode == "swap" else stats.num_recompute_preemptions
+    assert preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    assert stats.spec_decode_num_accepted_tokens > 0, stats
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "no-overlap"])
+def test_stop_conditions_are_checked_at_every_accepted_token(async_scheduling):
+    """A stop token, a stop string and max_tokens that fall inside a step's accepted drafts end the request
+    there, exactly as without speculation (the tokens after the stop are dropped)."""
+    model, tok = get_model("tiny-llama", torch.float64)
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    probe, _ = run(model, tok, [("p", PROMPTS[0], base)])
+    out = probe["p"].outputs[0]
+    stop_id = out.token_ids[9]
+    stop_text = tok.decode(out.token_ids[13:15])
+    requests = [("stop-id", PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                       stop_token_ids=[stop_id])),
+                ("stop-str", PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                        stop=[stop_text])),
+                ("length", PROMPTS[0], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))]
+    want, _ = run(model, tok, requests, async_scheduling=async_scheduling)
+    oracle = [(PROMPTS[0], out.token_ids)]
+    got, engine = run(model, tok, requests, NGRAM, oracle=oracle, async_scheduling=async_scheduling)
+    assert_same(got, want, torch.float64)
+    assert want["stop-id"].outputs[0].token_ids[-1] == stop_id
+    assert want["stop-str"].outputs[0].finish_reason == "stop"
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_prompt_lookup_speeds_up_copying_on_smollm2(smollm2):
+    """The real n-gram proposer on a real model asked to repeat a text: most drafts are accepted, the output is
+    the same and it takes far fewer steps."""
+    model, tok = smollm2
+    text = ("The quick brown fox jumps over the lazy dog near the river bank, while the farmer watches from the "
+            "old wooden fence.")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Repeat this text exactly:\n\n" + text}],
+                                     tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    requests = [("copy", ids, SamplingParams(temperature=0, max_tokens=24))]
+    want, plain = run(model, tok, requests)
+    got, engine = run(model, tok, requests, NGRAM)
+    assert_same(got, want, torch.float32)
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens >= 6, stats
+    assert stats.num_steps * 2 <= plain.get_stats().num_steps, (stats.num_steps, plain.get_stats().num_steps)
