@@ -4,9 +4,9 @@ The rule (docs/speculative.md):
 - no speculation while the running batch has more than `disable_by_batch_size` sequences;
 - under load k shrinks so that a step verifies about `TOKENS_PER_STEP` tokens: k <= TOKENS_PER_STEP // batch - 1
   (at least 1);
-- with a measured acceptance rate a (an exponential moving average over verified draft tokens) k is at most
-  ceil(a / (1 - a)), the expected length of a run of accepted tokens (all k while a is 1 or nothing was
-  measured yet);
+- with a measured acceptance rate a (an exponential moving average over verified draft tokens) the i-th draft
+  is reached and accepted with chance about a^i, and only drafts with a chance of at least 1/4 are proposed:
+  k <= log(1/4) / log(a) (at least 1; all k while a is 1 or nothing was measured yet);
 - a step whose proposer found nothing for any sequence backs off: the next 1, 2, 4, ... 16 steps do not try
   (they may then overlap with the step before, see step_loop.py), and a step with proposals resets it.
 """
@@ -18,6 +18,7 @@ import math
 TOKENS_PER_STEP = 64   # tokens one step verifies at most before k shrinks (batch * (1 + k))
 DECAY = 0.9            # weight of the past in the acceptance-rate average, per verified step
 MAX_BACKOFF = 16       # steps without proposals, at most, after steps that found none
+MIN_DRAFT_CHANCE = 0.25  # a draft is proposed while its chance to be reached and accepted is at least this
 
 
 class SpecPolicy:
@@ -43,7 +44,7 @@ class SpecPolicy:
         k = min(self.k, max(1, TOKENS_PER_STEP // batch_size - 1))
         rate = self.acceptance_rate
         if rate < 1.0:
-            k = min(k, max(1, math.ceil(rate / (1.0 - rate))))
+            k = min(k, max(1, int(math.log(MIN_DRAFT_CHANCE) / math.log(rate)) if rate > 0 else 1))
         return k
 
     def observe(self, drafted: int, accepted: int) -> None:
