@@ -208,3 +208,46 @@ def test_prompt_lookup_speeds_up_copying_on_smollm2(smollm2):
     stats = engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens >= 6, stats
     assert stats.num_steps * 2 <= plain.get_stats().num_steps, (stats.num_steps, plain.get_stats().num_steps)
+
+
+# ---- draft model ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_draft_model_greedy_output_is_identical(mode, dtype):
+    """A draft model over its own paged cache: the target itself as the draft (every draft accepted) and another
+    family with the same tokenizer (hardly any accepted), under memory pressure, beside a beam search: outputs are
+    unchanged, and both caches are empty at the end."""
+    model, tok = get_model("tiny-llama", dtype)
+    other, _ = get_model("tiny-opt", dtype)
+    requests = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+                for i, p in enumerate(PROMPTS)]
+    requests.append(("beam", list(range(400, 407)), SamplingParams(beam_width=2, n=2, temperature=0, max_tokens=6)))
+    options = dict(num_blocks=24, block_size=4, preemption_mode=mode, num_swap_blocks=64)
+    want, _ = run(model, tok, requests, **options)
+    for draft, accepted_all in ((model, True), (other, False)):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+        got, engine = run(model, tok, requests, spec, check=tables_cover_only_known_tokens, **options)
+        assert_same(got, want, dtype)
+        stats = engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0, stats
+        if accepted_all:
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens, stats
+        proposer = engine.speculator.proposer
+        assert proposer.num_free_blocks == proposer.pool.num_blocks and not proposer.tracked
+
+
+def test_draft_model_with_another_vocabulary_or_dtype_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, tok = get_model("tiny-llama", torch.float32)
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
+        LLMEngine(model, tokenizer=tok, num_blocks=16,
+                  speculative_config={"method": "draft_model", "model": small})
+    other, _ = get_model("tiny-opt", torch.float64)
+    with pytest.raises(ValueError, match="dtype"):
+        LLMEngine(model, tokenizer=tok, num_blocks=16,
+                  speculative_config={"method": "draft_model", "model": other})
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=16,
+                       speculative_config={"method": "draft_model", "model": "tiny-opt"})
+    assert engine.speculator.proposer.pool.num_blocks == 16

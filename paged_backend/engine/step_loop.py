@@ -116,7 +116,9 @@ class StepLoop:
             for group in successor.sched.preempted:
                 if group.is_finished():
                     self.scheduler.discard_finished(group)
-        self.scheduler.free_finished()
+        done = self.scheduler.free_finished()
+        if self.speculator is not None and done:
+            self.speculator.forget(done)
         return self._outputs_of(launched.sched.scheduled)
 
     def _step_inputs(self: "LLMEngine", sched: SchedulerOutput, previous: Optional[LaunchedStep], lora_slots):

@@ -8,7 +8,7 @@ only a step launched with nothing in flight proposes (see step_loop.py)."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Set
 
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler_output import SchedulerOutput
@@ -45,13 +45,27 @@ class Speculator:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self._drafted: List[Sequence] = []
+        self._proposed_for: Set[int] = set()   # sequences the proposer may keep something for
 
     @staticmethod
     def batch_size(running: List[SequenceGroup]) -> int:
         return sum(group.num_unfinished_seqs() for group in running)
 
+    def forget(self, groups: List[SequenceGroup]) -> None:
+        """The proposer lets go of what it keeps for these requests' sequences (they ended)."""
+        ids = [seq.seq_id for group in groups for seq in group.seqs if seq.seq_id in self._proposed_for]
+        if ids:
+            self.proposer.release(ids)
+            self._proposed_for.difference_update(ids)
+
     def propose(self, running: List[SequenceGroup]) -> None:
-        """Set the draft tokens of the running sequences that speculate this step."""
+        """Set the draft tokens of the running sequences that speculate this step (and let the proposer forget
+        the sequences that no longer run: preempted or ended)."""
+        if self._proposed_for:
+            gone = self._proposed_for - {seq.seq_id for group in running for seq in group.seqs}
+            if gone:
+                self.proposer.release(list(gone))
+                self._proposed_for -= gone
         batch = self.batch_size(running)
         k = self.policy.num_tokens(batch)
         if not k:
@@ -61,6 +75,7 @@ class Speculator:
             return
         limits = [k if seq.max_len is None else max(0, min(k, seq.max_len - len(seq.token_ids) - 1)) for seq in seqs]
         proposals = self.proposer.propose(seqs, limits)
+        self._proposed_for.update(seq.seq_id for seq in seqs)
         bm = self.block_manager
         tokens_left = self.max_num_batched_tokens - batch            # every running sequence computes a token
         blocks_left = bm.get_num_free_blocks() - bm.watermark_blocks - batch   # and may take a block for it
