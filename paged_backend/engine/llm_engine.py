@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -12,7 +12,7 @@ from paged_backend import kernels
 from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, SpeculativeConfig
 from paged_backend.engine.detokenizer import stop_string_in_candidate
 from paged_backend.errors import EngineDeadError, InvalidRequest
 from paged_backend.engine.lora_manager import LoRAManager
@@ -113,7 +113,8 @@ class LLMEngine(StepLoop):
         self._cache_info = cache_config_info(self.config.cache, self.kv_size, self.sliding_window)
         self.tokens = TokenProcessor(self.block_manager, self.sampler, self.tokenizer,
                                      self.counters, self.eos_token_ids, self.max_model_len)
-        self.speculator, self.spec_counters = self._make_speculation()
+        self.spec_counters = SpecCounters()
+        self.speculator: Optional[Speculator] = self._make_speculator()
         self._worker = StepWorker(threaded=self.config.scheduler.async_scheduling)
         self._inflight: Optional[LaunchedStep] = None   # the step launched ahead (overlapped scheduling)
 
@@ -160,20 +161,37 @@ class LLMEngine(StepLoop):
         layers = LoRALayers(self.model, lora.max_loras, lora.max_lora_rank) if self.loras is not None else None
         return ModelRunner(self.model, cache, layers, compile=self.config.compilation.compile)
 
-    def _make_speculation(self) -> Tuple[Optional[Speculator], SpecCounters]:
+    def _make_speculator(self) -> Optional[Speculator]:
         """The proposer, policy and verifier of speculative decoding (`speculative_config`), or None."""
-        counters = SpecCounters()
         spec = self.config.speculative
         if spec is None:
-            return None, counters
+            self.tokens.verifier = None
+            return None
         if self.sliding_window is not None:
             raise ValueError(f"speculative_config: {type(self.model).__name__} attends through a sliding window, "
                              "which speculative decoding does not support yet")
         proposer = make_proposer(spec, self)
         policy = SpecPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size)
-        self.tokens.verifier = DraftVerifier(self.tokens, policy, counters)
-        return Speculator(proposer, policy, self.block_manager,
-                          self.config.scheduler.max_num_batched_tokens), counters
+        self.tokens.verifier = DraftVerifier(self.tokens, policy, self.spec_counters)
+        return Speculator(proposer, policy, self.block_manager, self.config.scheduler.max_num_batched_tokens)
+
+    def set_speculative_config(self, value) -> None:
+        """Turn speculative decoding on (vLLM's `speculative_config` dict), off (None) or change it, from the next
+        step on (no step in progress ever holds draft tokens, so this is safe between steps; outputs of greedy
+        requests do not change). The counters of `get_stats()` keep adding up."""
+        spec = SpeculativeConfig.of(value)
+        if spec == self.config.speculative:
+            return
+        previous, self.config.speculative = self.config.speculative, spec
+        try:
+            speculator = self._make_speculator()
+        except Exception:
+            self.config.speculative = previous
+            self._make_speculator()
+            raise
+        if self.speculator is not None:
+            self.speculator.close()
+        self.speculator = speculator
 
     # ---- requests ----------------------------------------------------------------------------
     @property

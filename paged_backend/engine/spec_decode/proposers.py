@@ -38,12 +38,14 @@ def load_draft(model, engine: "LLMEngine") -> torch.nn.Module:
     if tokenizer is not None and engine.tokenizer is not None and tokenizer.get_vocab() != engine.tokenizer.get_vocab():
         raise ValueError(f"speculative_config: the draft model {name!r} has another tokenizer than the target "
                          "model; a draft must share the target's tokenizer")
+    if not hasattr(draft, "get_output_embeddings") or not hasattr(draft, "config"):
+        raise ValueError(f"speculative_config: the draft model {name!r} is not a transformers causal LM")
+    check_model_supported(draft)
     embeddings = draft.get_output_embeddings()
     vocab = embeddings.weight.shape[0] if embeddings is not None else draft.config.vocab_size
     if vocab != engine.vocab_size:
         raise ValueError(f"speculative_config: the draft model {name!r} has a vocabulary of {vocab} tokens, the "
                          f"target {engine.vocab_size}; a draft must share the target's tokenizer")
-    check_model_supported(draft)
     if uniform_window(draft) is not None:
         raise ValueError(f"speculative_config: the draft model {name!r} attends through a sliding window, which "
                          "speculative decoding does not support yet")

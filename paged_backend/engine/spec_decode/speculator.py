@@ -51,6 +51,12 @@ class Speculator:
     def batch_size(running: List[SequenceGroup]) -> int:
         return sum(group.num_unfinished_seqs() for group in running)
 
+    def close(self) -> None:
+        """The proposer lets go of everything it keeps (this speculator is replaced)."""
+        if self._proposed_for:
+            self.proposer.release(list(self._proposed_for))
+            self._proposed_for.clear()
+
     def forget(self, groups: List[SequenceGroup]) -> None:
         """The proposer lets go of what it keeps for these requests' sequences (they ended)."""
         ids = [seq.seq_id for group in groups for seq in group.seqs if seq.seq_id in self._proposed_for]
