@@ -66,16 +66,20 @@ def test_ngram_lookup_respects_the_minimum_size():
 PROMPTS = [list(range(10 + i, 26 + 3 * i)) for i in range(3)]
 
 
-def run(model, tok, requests, spec=None, oracle=None, check=None, **options):
-    """Final outputs of `requests` ((id, prompt, params) in arrival order) and the engine."""
+def run(model, tok, requests, spec=None, oracle=None, check=None, first_alone=False, **options):
+    """Final outputs of `requests` ((id, prompt, params) in arrival order) and the engine (`first_alone`: the
+    others arrive after the first one's first step, so they find its prompt blocks in the prefix cache)."""
     options.setdefault("num_blocks", 128)
     options.setdefault("block_size", 8)
     engine = LLMEngine(model, tokenizer=tok, speculative_config=spec, **options)
     if oracle is not None:
         with_oracle(engine, oracle)
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
     finals, steps = {}, 0
+    for i, (rid, prompt, params) in enumerate(requests):
+        engine.add_request(rid, prompt, params)
+        if first_alone and i == 0:
+            assert not any(out.finished for out in engine.step())
+            steps += 1
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -157,7 +161,7 @@ def test_greedy_output_is_identical_under_memory_pressure(mode, dtype):
     prefix = list(range(50, 66))
     requests = [(f"r{i}", prefix + list(range(100 + 7 * i, 104 + 8 * i)),
                  SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)) for i in range(4)]
-    options = dict(num_blocks=22, block_size=4, preemption_mode=mode, num_swap_blocks=64)
+    options = dict(num_blocks=22, block_size=4, preemption_mode=mode, num_swap_blocks=64, first_alone=True)
     want, _ = run(model, tok, requests, **options)
     got, engine = run(model, tok, requests, NGRAM, oracle=known(requests, want),
                       check=tables_cover_only_known_tokens, **options)

@@ -8,7 +8,7 @@ import torch
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import LLMEngine, SamplingParams
-from paged_backend.engine.spec_decode.policy import MAX_BACKOFF, SpecPolicy
+from paged_backend.engine.spec_decode.policy import MAX_BACKOFF, SpecPolicy, drafts_for_rate
 
 
 def test_k_shrinks_with_the_batch_and_stops_above_the_limit():
@@ -16,21 +16,20 @@ def test_k_shrinks_with_the_batch_and_stops_above_the_limit():
     assert [policy.num_tokens(b) for b in (1, 8, 16, 21, 32, 33)] == [5, 5, 3, 2, 1, 0]
 
 
-def test_k_follows_the_acceptance_rate():
+def test_k_follows_each_sequences_acceptance_rate():
     policy = SpecPolicy(num_speculative_tokens=8, disable_by_batch_size=32)
-    assert policy.num_tokens(1) == 8            # nothing measured yet
-    policy.observe(drafted=8, accepted=8)
-    assert policy.num_tokens(1) == 8            # everything accepted
-    for _ in range(30):
-        policy.observe(drafted=4, accepted=2)
-    assert abs(policy.acceptance_rate - 0.5) < 0.01
-    assert policy.num_tokens(1) == 2            # 0.5 ** 2 >= 1/4 > 0.5 ** 3
-    for _ in range(30):
-        policy.observe(drafted=4, accepted=3)
-    assert policy.num_tokens(1) == 4            # 0.75 ** 4 >= 1/4 > 0.75 ** 5
-    for _ in range(40):
-        policy.observe(drafted=4, accepted=0)
-    assert policy.num_tokens(1) == 1            # nothing accepted: still one draft
+    assert policy.num_tokens_for(7, 8) == 8            # nothing measured yet
+    policy.observe(7, drafted=8, accepted=0)
+    assert policy.rates[7] == 0.5 and policy.num_tokens_for(7, 8) == 2   # 0.5 ** 2 >= 1/4 > 0.5 ** 3
+    policy.observe(7, drafted=2, accepted=0)
+    assert policy.num_tokens_for(7, 8) == 1            # a sequence that stopped copying: one draft
+    for _ in range(3):
+        policy.observe(7, drafted=1, accepted=1)
+    assert policy.rates[7] > 0.8 and policy.num_tokens_for(7, 8) >= 6    # back after three accepted steps
+    assert policy.num_tokens_for(8, 8) == 8            # another sequence is not affected
+    assert drafts_for_rate(0.75, 8) == 4 and drafts_for_rate(0.0, 8) == 1 and drafts_for_rate(1.0, 8) == 8
+    policy.forget([7])
+    assert 7 not in policy.rates
 
 
 def test_steps_without_proposals_back_off():

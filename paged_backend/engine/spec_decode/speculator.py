@@ -54,15 +54,18 @@ class Speculator:
     def close(self) -> None:
         """The proposer lets go of everything it keeps (this speculator is replaced)."""
         if self._proposed_for:
-            self.proposer.release(list(self._proposed_for))
-            self._proposed_for.clear()
+            self._release(list(self._proposed_for))
 
     def forget(self, groups: List[SequenceGroup]) -> None:
         """The proposer lets go of what it keeps for these requests' sequences (they ended)."""
         ids = [seq.seq_id for group in groups for seq in group.seqs if seq.seq_id in self._proposed_for]
         if ids:
-            self.proposer.release(ids)
-            self._proposed_for.difference_update(ids)
+            self._release(ids)
+
+    def _release(self, seq_ids: List[int]) -> None:
+        self.proposer.release(seq_ids)
+        self.policy.forget(seq_ids)
+        self._proposed_for.difference_update(seq_ids)
 
     def propose(self, running: List[SequenceGroup]) -> None:
         """Set the draft tokens of the running sequences that speculate this step (and let the proposer forget
@@ -70,8 +73,7 @@ class Speculator:
         if self._proposed_for:
             gone = self._proposed_for - {seq.seq_id for group in running for seq in group.seqs}
             if gone:
-                self.proposer.release(list(gone))
-                self._proposed_for -= gone
+                self._release(list(gone))
         batch = self.batch_size(running)
         k = self.policy.num_tokens(batch)
         if not k:
@@ -79,7 +81,9 @@ class Speculator:
         seqs = [g.seqs[0] for g in running if g.fork_pending_len is None and speculates(g) and ready(g.seqs[0])]
         if not seqs:
             return
-        limits = [k if seq.max_len is None else max(0, min(k, seq.max_len - len(seq.token_ids) - 1)) for seq in seqs]
+        per_seq = self.policy.num_tokens_for
+        limits = [per_seq(seq.seq_id, k) if seq.max_len is None
+                  else max(0, min(per_seq(seq.seq_id, k), seq.max_len - len(seq.token_ids) - 1)) for seq in seqs]
         proposals = self.proposer.propose(seqs, limits)
         self._proposed_for.update(seq.seq_id for seq in seqs)
         bm = self.block_manager

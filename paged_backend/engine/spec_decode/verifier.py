@@ -90,11 +90,11 @@ class DraftVerifier:
                     self._append(item, batch, first, drawn[:n + 1])
             drafted += len(drafts)
             accepted += n
+            self.policy.observe(item.seq.seq_id, len(drafts), n)
             self._roll_back(item, n)
         self.counters.num_drafts += len(items)
         self.counters.num_draft_tokens += drafted
         self.counters.num_accepted_tokens += accepted
-        self.policy.observe(drafted, accepted)
 
     def _append(self, item: ScheduledSeq, batch: SampleBatch, first: int, tokens: List[int]) -> None:
         """Append the accepted tokens one at a time, each checked against the stop conditions."""
