@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_no_leaks, get_model
+from conftest import assert_no_leaks, get_model, run_to_completion
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.config import EngineConfig
 from paged_backend.engine.spec_decode.ngram_proposer import ngram_lookup
@@ -255,3 +255,27 @@ def test_draft_model_with_another_vocabulary_or_dtype_is_refused():
     engine = LLMEngine(model, tokenizer=tok, num_blocks=16,
                        speculative_config={"method": "draft_model", "model": "tiny-opt"})
     assert engine.speculator.proposer.pool.num_blocks == 16
+
+
+def test_lora_requests_speculate_with_their_adapters(tmp_path):
+    """Requests with different LoRA adapters and the base model, speculating in one batch: every verified
+    position runs its request's adapter, so outputs equal those without speculation."""
+    from lora_adapters import adapter_dirs
+    from paged_backend import LoRARequest
+
+    model, tok = get_model("tiny-llama", torch.float64)
+    loras = [LoRARequest(f"a{i}", i + 1, str(d)) for i, d in enumerate(adapter_dirs("tiny-llama", tmp_path)[:2])]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    finals = {}
+    for spec in (None, "ngram"):
+        engine = LLMEngine(model, tokenizer=tok, num_blocks=128, block_size=8, enable_lora=True, max_loras=2,
+                           speculative_config=None if spec is None else NGRAM)
+        if spec is not None:
+            with_oracle(engine, [(p, finals[None][f"r{i}"].outputs[0].token_ids) for i, p in enumerate(PROMPTS)])
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params, lora_request=([None] + loras)[i])
+        finals[spec] = run_to_completion(engine)
+        assert_no_leaks(engine)
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_same(finals["ngram"], finals[None], torch.float64)
+    assert finals[None]["r1"].outputs[0].token_ids != finals[None]["r0"].outputs[0].token_ids
