@@ -279,3 +279,9 @@ def test_lora_requests_speculate_with_their_adapters(tmp_path):
     assert engine.get_stats().spec_decode_num_accepted_tokens > 0
     assert_same(finals["ngram"], finals[None], torch.float64)
     assert finals[None]["r1"].outputs[0].token_ids != finals[None]["r0"].outputs[0].token_ids
+
+
+def test_a_sliding_window_model_refuses_speculation_by_name():
+    model, tok = get_model("tiny-mistral", torch.float32)
+    with pytest.raises(ValueError, match="sliding window"):
+        LLMEngine(model, tokenizer=tok, num_blocks=16, speculative_config=NGRAM)
