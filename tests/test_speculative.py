@@ -285,3 +285,24 @@ def test_a_sliding_window_model_refuses_speculation_by_name():
     model, tok = get_model("tiny-mistral", torch.float32)
     with pytest.raises(ValueError, match="sliding window"):
         LLMEngine(model, tokenizer=tok, num_blocks=16, speculative_config=NGRAM)
+
+
+def test_streamed_deltas_of_accepted_tokens_add_up_to_the_output():
+    """A step may append several tokens to a request: its DELTA outputs carry all of them, once."""
+    from paged_backend.sampling_params import RequestOutputKind
+
+    model, tok = get_model("tiny-llama", torch.float64)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    want, _ = run(model, tok, [("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))])
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=64, speculative_config=NGRAM)
+    with_oracle(engine, [(PROMPTS[0], want["r"].outputs[0].token_ids)])
+    engine.add_request("r", PROMPTS[0], params)
+    tokens, text, sizes = [], "", []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            sizes.append(len(out.outputs[0].token_ids))
+    assert tokens == want["r"].outputs[0].token_ids and text == want["r"].outputs[0].text
+    assert max(sizes) > 1
+    assert_no_leaks(engine)
