@@ -30,6 +30,9 @@ class OracleProposer:
     def release(self, seq_ids) -> None:
         return None
 
+    def shutdown(self) -> None:
+        return None
+
 
 def with_oracle(engine, outputs) -> None:
     """Give a speculating engine the oracle built from `outputs` (prompt token ids -> output token ids)."""

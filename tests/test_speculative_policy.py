@@ -57,6 +57,9 @@ class EveryTime:
     def release(self, seq_ids):
         return None
 
+    def shutdown(self):
+        return None
+
 
 def test_a_batch_above_the_limit_does_not_speculate_and_overlaps():
     """With more running sequences than `disable_by_batch_size`, no step proposes and steps stay overlapped

@@ -452,4 +452,6 @@ class LLMEngine(StepLoop):
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""
         self._drain()
         self._worker.shutdown()
+        if self.speculator is not None:
+            self.speculator.close()
         self.runner.shutdown()

@@ -123,6 +123,11 @@ class DraftModelProposer:
             self._trim(self.tables.pop(sid, []), 0)
             self.cached.pop(sid, None)
 
+    def shutdown(self) -> None:
+        """Free the draft's KV cache."""
+        self.release(list(self.tables))
+        self.runner.shutdown()
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()

@@ -48,3 +48,6 @@ class NgramProposer:
 
     def release(self, seq_ids: Seq[int]) -> None:
         return None
+
+    def shutdown(self) -> None:
+        return None

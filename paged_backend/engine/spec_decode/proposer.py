@@ -15,3 +15,6 @@ class Proposer(Protocol):
 
     def release(self, seq_ids: Seq[int]) -> None:
         """Forget whatever is kept for these sequences (they ended or were preempted)."""
+
+    def shutdown(self) -> None:
+        """Release what the proposer holds for good (a draft model's KV cache); it proposes no more."""

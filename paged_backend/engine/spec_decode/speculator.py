@@ -52,9 +52,11 @@ class Speculator:
         return sum(group.num_unfinished_seqs() for group in running)
 
     def close(self) -> None:
-        """The proposer lets go of everything it keeps (this speculator is replaced)."""
+        """The proposer lets go of everything it keeps, for good (this speculator is replaced or the engine shut
+        down)."""
         if self._proposed_for:
             self._release(list(self._proposed_for))
+        self.proposer.shutdown()
 
     def forget(self, groups: List[SequenceGroup]) -> None:
         """The proposer lets go of what it keeps for these requests' sequences (they ended)."""
