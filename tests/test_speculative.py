@@ -142,11 +142,14 @@ def test_greedy_output_is_identical_mixed_with_requests_that_do_not_speculate(na
               ("beam", list(range(400, 407)), SamplingParams(beam_width=2, n=2, temperature=0, max_tokens=8)),
               ("json", list(range(500, 506)), SamplingParams(temperature=0, max_tokens=10,
                                                              structured_outputs={"choice": ["yes", "no"]}))]
-    want, _ = run(model, tok, requests + others)
+    want, plain = run(model, tok, requests + others)
     got, engine = run(model, tok, requests + others, NGRAM, oracle=known(requests, want),
                       check=tables_cover_only_known_tokens)
     assert_same(got, want, dtype)
     stats = engine.get_stats()
+    # draft tokens count neither as prompt nor as generated tokens until accepted
+    assert (stats.num_prompt_tokens, stats.num_generated_tokens) == \
+        (plain.get_stats().num_prompt_tokens, plain.get_stats().num_generated_tokens)
     assert stats.spec_decode_num_accepted_tokens > 0, stats
     assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
     assert stats.num_steps < max(len(o.outputs[0].token_ids) for o in want.values()) + 2

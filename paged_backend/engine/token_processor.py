@@ -116,7 +116,7 @@ class TokenProcessor:
             seq, start, end = item.seq, item.start, item.start + item.num_tokens
             drafts = seq.draft_token_ids
             if (item.num_tokens > 1 and not drafts) or start < seq.prompt_len:
-                counters.num_prompt_tokens += item.num_tokens
+                counters.num_prompt_tokens += item.num_tokens - len(drafts)   # draft tokens are no prompt
             if start < seq.max_computed_tokens:
                 counters.num_recomputed_tokens += min(end, seq.max_computed_tokens) - start
                 seq.max_computed_tokens = max(seq.max_computed_tokens, end)
