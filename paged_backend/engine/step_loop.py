@@ -77,7 +77,8 @@ class StepLoop:
         if inputs.num_tokens:
             self.counters.observe("iteration_tokens", inputs.num_tokens)
         rows = self.tokens.launch(sched)
-        if speculator is not None and not rows.needs_processing and speculator.wants_fresh_step(rows, self.scheduler.running):
+        if speculator is not None and not rows.needs_processing and \
+                speculator.wants_fresh_step(rows, self.scheduler.running):
             rows.needs_processing = True   # the next step is launched after this one is processed, to propose
         launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill,
                                 lora_slot_of=lora_slots[0] if lora_slots is not None else {})

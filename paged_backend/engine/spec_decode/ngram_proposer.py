@@ -1,6 +1,7 @@
 """Prompt lookup (vLLM's "ngram" method): the sequence's last n tokens are looked up earlier in it, and the tokens
-that followed an earlier occurrence are proposed (the latest one followed by k tokens, else the earliest). Longest n first, from `prompt_lookup_max` down to
-`prompt_lookup_min`; numpy compares the whole token array at once for each n."""
+that followed an earlier occurrence are proposed (the latest one followed by k tokens, else the earliest). The
+longest n wins, from `prompt_lookup_max` down to `prompt_lookup_min`; numpy compares the whole token array at
+once for each n."""
 
 from __future__ import annotations
 
