@@ -140,6 +140,7 @@ COMMANDS: Dict[str, Run] = {
     "paged-backend bench lora --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_lora_study"),
     "paged-backend bench speculative --documented": Run("covered", covered_by=QUICK.format("speculative")),
+    "paged-backend bench speculative": Run("covered", covered_by=QUICK.format("speculative")),
     "paged-backend bench host-overhead --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_host_overhead_study"),
     "paged-backend bench host-overhead --documented --allow-dirty": Run(   # the before record's own command
