@@ -193,12 +193,16 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
+    prompt_lookup_min: Optional[int] = None   # 1 unless given
+    prompt_lookup_max: Optional[int] = None   # 3 (at least prompt_lookup_min) unless given
     model: object = None
     disable_by_batch_size: int = 32
 
     def __post_init__(self) -> None:
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = 1
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = max(3, self.prompt_lookup_min) if isinstance(self.prompt_lookup_min, int) else 3
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; use one of {SPECULATIVE_METHODS}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):

@@ -37,6 +37,10 @@ def test_speculative_config_reaches_the_engine():
                                                           "prompt_lookup_min": 2, "prompt_lookup_max": 5})
     assert (config.speculative.num_speculative_tokens, config.speculative.prompt_lookup_min,
             config.speculative.prompt_lookup_max) == (3, 2, 5)
+    only_min = EngineConfig.from_kwargs(speculative_config={"method": "ngram", "prompt_lookup_min": 5}).speculative
+    assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (5, 5)
+    only_max = EngineConfig.from_kwargs(speculative_config={"method": "ngram", "prompt_lookup_max": 4}).speculative
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (1, 4)
     model, tok = get_model("tiny-llama", torch.float32)
     engine = LLMEngine(model, tokenizer=tok, num_blocks=16, speculative_config=NGRAM)
     assert engine.speculator is not None and engine.speculator.policy.k == 4
