@@ -313,3 +313,19 @@ def test_streamed_deltas_of_accepted_tokens_add_up_to_the_output():
     assert tokens == want["r"].outputs[0].token_ids and text == want["r"].outputs[0].text
     assert max(sizes) > 1
     assert_no_leaks(engine)
+
+
+def test_chunked_prompts_speculate_from_their_last_prompt_token():
+    """Prompts prefilled in chunks (a small token budget): a sequence whose chunks leave only its last prompt
+    token may already verify drafts with it; outputs and token counts are those without speculation."""
+    model, tok = get_model("tiny-llama", torch.float64)
+    requests = [(f"r{i}", list(range(60 + i, 60 + i + 13)), SamplingParams(temperature=0, max_tokens=16,
+                                                                             ignore_eos=True)) for i in range(3)]
+    options = dict(max_num_batched_tokens=12, max_num_seqs=3, enable_prefix_caching=False, async_scheduling=False)
+    want, plain = run(model, tok, requests, **options)
+    got, engine = run(model, tok, requests, NGRAM, oracle=known(requests, want),
+                      check=tables_cover_only_known_tokens, **options)
+    assert_same(got, want, torch.float64)
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.num_prompt_tokens == plain.get_stats().num_prompt_tokens == 3 * 13
