@@ -237,6 +237,8 @@ def test_stress_speculation_changes_no_output(stress_seed, proposer):
     model, tok = get_model("tiny-llama", torch.float64)
     requests = random_workload(stress_seed)
     plain, off = run_under_pressure(model, tok, requests, None)
+    assert plain.get_stats().num_preemptions > 0   # the cache is under pressure (with speculation the workload
+    # takes fewer steps and may not preempt; tests/test_speculative.py preempts speculating requests for sure)
     engine = LLMEngine(model, tokenizer=tok, block_size=BLOCK, num_blocks=18, num_swap_blocks=8,
                        enable_prefix_caching=True, max_num_batched_tokens=24,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3})
@@ -245,7 +247,6 @@ def test_stress_speculation_changes_no_output(stress_seed, proposer):
                              if r.request_id.startswith("greedy")])
     on = run_workload(engine, requests)
     stats = engine.get_stats()
-    assert stats.num_preemptions > 0, stats
     if proposer == "oracle":
         assert stats.spec_decode_num_accepted_tokens > 0, stats
     assert_no_leaks(engine)
