@@ -329,3 +329,41 @@ def test_chunked_prompts_speculate_from_their_last_prompt_token():
     stats = engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens > 0
     assert stats.num_prompt_tokens == plain.get_stats().num_prompt_tokens == 3 * 13
+
+
+@pytest.mark.parametrize("async_scheduling, draft", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "no-overlap", "draft-model"])
+def test_aborts_between_speculating_steps_leave_no_block_behind(async_scheduling, draft):
+    """Requests aborted at random points while others speculate (drafts accepted and rejected): the survivors'
+    outputs are unchanged and every block of both pools comes back."""
+    import random
+
+    model, tok = get_model("tiny-llama", torch.float64)
+    requests = [(f"r{i}", list(range(20 + 5 * i, 38 + 5 * i)), SamplingParams(temperature=0, max_tokens=24,
+                                                                                ignore_eos=True)) for i in range(6)]
+    want, _ = run(model, tok, requests, async_scheduling=async_scheduling)
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3} if draft else NGRAM
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=40, block_size=4, speculative_config=spec,
+                       async_scheduling=async_scheduling)
+    if not draft:
+        with_oracle(engine, known(requests, want))
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    rng, finals, aborted = random.Random(5), {}, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        live = [rid for rid, _, _ in requests if rid not in finals and rid not in aborted]
+        if live and rng.random() < 0.15:
+            victim = rng.choice(live)
+            aborted.add(victim)
+            engine.abort_request(victim)
+        tables_cover_only_known_tokens(engine)
+    assert aborted and engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_same({rid: finals[rid] for rid in finals if rid not in aborted}, want, torch.float64,
+                [rid for rid in finals if rid not in aborted])
+    assert_no_leaks(engine)
+    if draft:
+        proposer = engine.speculator.proposer
+        assert proposer.num_free_blocks == proposer.pool.num_blocks and not proposer.tracked

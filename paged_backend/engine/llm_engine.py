@@ -301,6 +301,8 @@ class LLMEngine(StepLoop):
         for rid in ids:
             group = self.scheduler.abort(rid)
             if group is not None:
+                if self.speculator is not None:
+                    self.speculator.forget([group])   # a draft model's blocks for it are free at once
                 outputs.append(self._finalize(group))
         if self._inflight is not None and not self.scheduler.has_unfinished():
             self._drain()  # the step launched ahead ran only aborted requests: nothing runs once the engine is idle
