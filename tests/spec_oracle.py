@@ -13,7 +13,7 @@ class OracleProposer:
         self.continuations = continuations   # prompt token ids -> the output tokens without speculation
         self._calls = itertools.count()
 
-    def propose(self, seqs, max_tokens: Sequence[int]) -> List[List[int]]:
+    def propose(self, seqs, max_tokens: Sequence[int], temperatures: Sequence[float] = ()) -> List[List[int]]:
         out = []
         for seq, k in zip(seqs, max_tokens):
             known = self.continuations.get(tuple(seq.token_ids[:seq.prompt_len]))
@@ -26,6 +26,9 @@ class OracleProposer:
                 drafts[wrong] = 3 + (drafts[wrong] + 1) % 997
             out.append(drafts)
         return out
+
+    def draft_probs(self, seq_id: int) -> None:
+        return None
 
     def release(self, seq_ids) -> None:
         return None

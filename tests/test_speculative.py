@@ -367,3 +367,25 @@ def test_aborts_between_speculating_steps_leave_no_block_behind(async_scheduling
     if draft:
         proposer = engine.speculator.proposer
         assert proposer.num_free_blocks == proposer.pool.num_blocks and not proposer.tracked
+
+
+def test_a_draft_model_draws_sampled_guesses_and_its_own_distribution_accepts_them_all():
+    """For a sampled request the draft model draws its guesses from softmax(logits / temperature) (q) and the
+    rejection rule accepts a guess with min(1, p/q): with the target as its own draft, p == q and every guess
+    is accepted; a top-k request (p truncated, q not) still runs to the end, with some rejected."""
+    model, tok = get_model("tiny-llama", torch.float64)
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    for params, all_accepted in ((SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True), True),
+                                 (SamplingParams(temperature=0.8, top_k=3, max_tokens=16, ignore_eos=True), False)):
+        engine = LLMEngine(model, tokenizer=tok, num_blocks=64, speculative_config=spec)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        finals = run_to_completion(engine)
+        assert_no_leaks(engine)
+        assert all(len(out.outputs[0].token_ids) == 16 and out.error is None for out in finals.values())
+        stats = engine.get_stats()
+        assert stats.spec_decode_num_draft_tokens > 0
+        if all_accepted:
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens, stats
+        else:
+            assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats

@@ -51,8 +51,11 @@ def test_steps_without_proposals_back_off():
 class EveryTime:
     """Proposes k copies of the last token for every sequence (a random model rarely repeats itself)."""
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, max_tokens, temperatures=()):
         return [[seq.token_ids[-1]] * k for seq, k in zip(seqs, max_tokens)]
+
+    def draft_probs(self, seq_id):
+        return None
 
     def release(self, seq_ids):
         return None

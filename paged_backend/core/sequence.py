@@ -50,6 +50,7 @@ class Sequence:
         # proposed next tokens (speculative decoding) that the step being scheduled verifies after its last
         # token: they have slots and are computed with it, and are never part of `token_ids` until accepted
         self.draft_token_ids: List[int] = []
+        self.draft_probs: Any = None   # the distributions the drafts were drawn from ([k, V]; None: point masses)
         self.max_len: Optional[int] = None  # the length at which it certainly ends (max_tokens, the context)
         self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
         self.status = SequenceStatus.WAITING
@@ -117,6 +118,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_pending = self.num_pending
         child.draft_token_ids = list(self.draft_token_ids)
+        child.draft_probs = self.draft_probs
         child.max_len = self.max_len
         child.max_computed_tokens = self.max_computed_tokens
         child.status = self.status

@@ -1,17 +1,18 @@
-"""A draft model's proposals ("draft_model"): a smaller model with the target's tokenizer guesses k tokens
-greedily, over its own paged KV cache.
+"""A draft model's proposals ("draft_model"): a smaller model with the target's tokenizer guesses k tokens over
+its own paged KV cache.
 
 The draft keeps, per target sequence, a block table in its own block pool and the tokens whose K/V its cache
 holds. Before proposing it rolls that back to the longest prefix the sequence still has (drafts the target
 rejected are forgotten, their blocks freed), computes the sequence's tokens after it in one batched forward
 (the whole prompt the first time, else the tokens accepted since), then decodes k - 1 further tokens one batched
-forward each. Greedy drafts make q a point mass, so the verifier's rule is exact for sampled requests too.
+forward each: greedily (a point mass), or for a sampled request drawn from softmax(logits / temperature), whose
+rows it keeps as q for the speculative-sampling rule (rejection.py).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Dict, List, Sequence as Seq, Tuple
+from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ def common_prefix(a: List[int], b: List[int]) -> int:
 class DraftModelProposer:
     """Greedy proposals of a draft model over its own paged cache (`num_blocks` blocks of `block_size`)."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int, num_blocks: int, seed: int = 0) -> None:
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         cache = CacheEngine(kv_geometry(model.config), block_size, num_blocks, 0, dtype, device)
@@ -67,9 +68,13 @@ class DraftModelProposer:
         self.pool = BlockAllocator(num_blocks, "draft")
         self.tables: Dict[int, List[int]] = {}
         self.cached: Dict[int, List[int]] = {}   # seq_id -> the tokens whose K/V the draft cache holds
+        self.probs: Dict[int, torch.Tensor] = {}   # seq_id -> q of its last drawn guesses ([k, V])
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
 
-    def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> List[List[int]]:
+    def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int], temperatures: Seq[float] = ()) -> List[List[int]]:
         proposals: List[List[int]] = [[] for _ in seqs]
+        self.probs = {}
+        temps = list(temperatures) or [0.0] * len(seqs)
         live = [(i, seq, k) for i, (seq, k) in enumerate(zip(seqs, max_tokens)) if k > 0 and self._prepare(seq, k)]
         if not live:
             return proposals
@@ -78,23 +83,31 @@ class DraftModelProposer:
             done = len(self.cached[seq.seq_id])
             chunks.append((seq.token_ids[done:], done, self.tables[seq.seq_id]))
             self.cached[seq.seq_id] = list(seq.token_ids)
-        drafted = self._next_tokens(chunks)
-        for (i, _, _), token in zip(live, drafted):
-            proposals[i].append(token)
-        for step in range(1, max(k for _, _, k in live)):
-            going = [(i, seq) for i, seq, k in live if k > step]
-            chunks = []
-            for i, seq in going:
-                cached = self.cached[seq.seq_id]
-                chunks.append(([proposals[i][-1]], len(cached), self.tables[seq.seq_id]))
-                cached.append(proposals[i][-1])
-            for (i, _), token in zip(going, self._next_tokens(chunks)):
-                proposals[i].append(token)
+        rows = [(i, seq) for i, seq, _ in live]
+        for step in range(max(k for _, _, k in live)):
+            if step:
+                rows = [(i, seq) for i, seq, k in live if k > step]
+                chunks = []
+                for i, seq in rows:
+                    cached = self.cached[seq.seq_id]
+                    chunks.append(([proposals[i][-1]], len(cached), self.tables[seq.seq_id]))
+                    cached.append(proposals[i][-1])
+            logits = self.runner.execute(draft_inputs(chunks, self.block_size))
+            for (i, seq), row in zip(rows, logits):
+                proposals[i].append(self._draw(seq.seq_id, row, temps[i]))
+        self.probs = {sid: torch.stack(rows) for sid, rows in self.probs.items()}
         return proposals
 
-    def _next_tokens(self, chunks: List[Chunk]) -> List[int]:
-        logits = self.runner.execute(draft_inputs(chunks, self.block_size))
-        return logits.argmax(dim=-1).tolist()
+    def _draw(self, seq_id: int, logits: torch.Tensor, temperature: float) -> int:
+        """Greedy (a point mass), or one draw from softmax(logits / temperature), whose row is kept as q."""
+        if temperature <= 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.double() / temperature, dim=-1)
+        self.probs.setdefault(seq_id, []).append(probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def draft_probs(self, seq_id: int) -> Optional[torch.Tensor]:
+        return self.probs.get(seq_id)
 
     def _prepare(self, seq: Sequence, k: int) -> bool:
         """Roll the draft's cache of the sequence back to the prefix it still has (at least its last token is

@@ -43,9 +43,12 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> List[List[int]]:
+    def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int], temperatures: Seq[float] = ()) -> List[List[int]]:
         return [ngram_lookup(np.asarray(seq.token_ids, dtype=np.int64), self.min_n, self.max_n, k) if k > 0 else []
                 for seq, k in zip(seqs, max_tokens)]
+
+    def draft_probs(self, seq_id: int) -> None:
+        return None   # a looked-up token is a point mass
 
     def release(self, seq_ids: Seq[int]) -> None:
         return None

@@ -22,7 +22,7 @@ def make_proposer(spec: SpeculativeConfig, engine: "LLMEngine") -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = load_draft(spec.model, engine)
-    return DraftModelProposer(draft, engine.config.cache.block_size, engine.kv_size.num_blocks)
+    return DraftModelProposer(draft, engine.config.cache.block_size, engine.kv_size.num_blocks, engine.config.seed)
 
 
 def load_draft(model, engine: "LLMEngine") -> torch.nn.Module:

@@ -29,6 +29,15 @@ def speculates(group: SequenceGroup) -> bool:
     return not plan.processed
 
 
+def draw_temperature(group: SequenceGroup) -> float:
+    """The temperature a proposer may draw the request's guesses at (0: name one token per position): sampled
+    requests without logprobs or scores (their tokens' log-probabilities come from the rule's target rows)."""
+    params = group.sampling_params
+    if params.temperature < 1e-6 or params.logprobs is not None or params.output_scores:
+        return 0.0
+    return float(params.temperature)
+
+
 def ready(seq: Sequence) -> bool:
     """A running sequence with exactly one token to compute, its last one, known (nothing pending)."""
     return (seq.status is SequenceStatus.RUNNING and not seq.num_pending and not seq.draft_token_ids
@@ -80,19 +89,20 @@ class Speculator:
         k = self.policy.num_tokens(batch)
         if not k:
             return
-        seqs = [g.seqs[0] for g in running if g.fork_pending_len is None and speculates(g) and ready(g.seqs[0])]
-        if not seqs:
+        groups = [g for g in running if g.fork_pending_len is None and speculates(g) and ready(g.seqs[0])]
+        if not groups:
             return
+        seqs = [g.seqs[0] for g in groups]
         per_seq = self.policy.num_tokens_for
         limits = [per_seq(seq.seq_id, k) if seq.max_len is None
                   else max(0, min(per_seq(seq.seq_id, k), seq.max_len - len(seq.token_ids) - 1)) for seq in seqs]
-        proposals = self.proposer.propose(seqs, limits)
+        proposals = self.proposer.propose(seqs, limits, [draw_temperature(g) for g in groups])
         self._proposed_for.update(seq.seq_id for seq in seqs)
         bm = self.block_manager
         tokens_left = self.max_num_batched_tokens - batch            # every running sequence computes a token
         blocks_left = bm.get_num_free_blocks() - bm.watermark_blocks - batch   # and may take a block for it
         found = False
-        for seq, drafts in zip(seqs, proposals):
+        for group, seq, drafts in zip(groups, seqs, proposals):
             if not drafts or tokens_left <= 0:
                 continue
             length = len(seq.token_ids)
@@ -102,6 +112,8 @@ class Speculator:
             if not drafts:
                 continue
             seq.draft_token_ids = list(drafts)
+            probs = self.proposer.draft_probs(seq.seq_id) if draw_temperature(group) else None
+            seq.draft_probs = None if probs is None else probs[:len(drafts)]   # None: verified by equality
             self._drafted.append(seq)
             tokens_left -= len(drafts)
             blocks_left -= bm.blocks_for(length + len(drafts)) - have
@@ -116,6 +128,7 @@ class Speculator:
         for seq in self._drafted:
             if id(seq) not in scheduled and seq.draft_token_ids:
                 seq.draft_token_ids = []
+                seq.draft_probs = None
                 self.block_manager.release_slots_after(seq, seq.len_with_pending)
         self._drafted = []
 

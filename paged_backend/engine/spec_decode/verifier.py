@@ -6,8 +6,8 @@ one draw from the processed distribution p_i). The draft is accepted while x_i =
 differs (or x_k after k accepted drafts) is the target's own next token. For a proposer that names one token
 (prompt lookup, a greedy draft model: q is a point mass) this is the speculative-sampling rule: d is accepted
 with probability min(1, p(d)/q(d)) = p(d), and on rejection the token comes from p with d removed, normalised,
-i.e. max(0, p - q) normalised (`rejection.py` has the general rule and a statistical test compares them). Greedy
-output is therefore identical to decoding without speculation.
+i.e. max(0, p - q) normalised. Greedy output is therefore identical to decoding without speculation. Drafts
+drawn from a distribution q (a draft model on a sampled request) go through the general rule (rejection.py).
 
 Accepted tokens are appended one by one with every stop condition checked after each (tokens after a stop are
 dropped). Then the sequence is rolled back to what was verified: its computed count covers the accepted
@@ -17,12 +17,14 @@ prefix cache.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
 from paged_backend.core.scheduler_output import ScheduledSeq
+from paged_backend.engine.spec_decode.rejection import speculative_sample, target_distributions
 from paged_backend.sampling.sampler import SampleBatch, SampleRequest
 
 if TYPE_CHECKING:
@@ -63,6 +65,29 @@ class DraftVerifier:
 
     def verify(self, items: List[ScheduledSeq], logits: Optional[torch.Tensor]) -> None:
         """`logits`: the chunks' rows in order, 1 + k per chunk."""
+        starts, row = [], 0
+        for item in items:
+            starts.append(row)
+            row += item.num_tokens
+        outcomes: Dict[int, int] = {}   # index of the chunk -> its accepted drafts
+        point = [i for i, item in enumerate(items) if item.seq.draft_probs is None]
+        if point:
+            rows = torch.cat([torch.arange(starts[i], starts[i] + items[i].num_tokens) for i in point])
+            outcomes.update(self._verify_point_masses([items[i] for i in point], point, logits[rows]))
+        for i, item in enumerate(items):
+            if item.seq.draft_probs is not None:
+                outcomes[i] = self._verify_drawn(item, logits[starts[i]:starts[i] + item.num_tokens])
+        for i, item in enumerate(items):
+            self.policy.observe(item.seq.seq_id, len(item.seq.draft_token_ids), outcomes[i])
+            self.counters.num_draft_tokens += len(item.seq.draft_token_ids)
+            self.counters.num_accepted_tokens += outcomes[i]
+            self._roll_back(item, outcomes[i])
+        self.counters.num_drafts += len(items)
+
+    def _verify_point_masses(self, items: List[ScheduledSeq], indices: List[int],
+                             logits: torch.Tensor) -> Dict[int, int]:
+        """Drafts that name one token per position: each position draws the target's token as a plain step would
+        (one batched sampler call for every row), and a draft stands while it equals the draw."""
         spans, requests = [], []
         for item in items:
             spans.append(len(requests))
@@ -74,43 +99,53 @@ class DraftVerifier:
             batch.complete()
         except Exception as exc:  # noqa: BLE001 - a batched stage failed: the speculating rows fail
             error = exc
-        drafted = accepted = 0
-        for item, first in zip(items, spans):
-            drafts = item.seq.draft_token_ids
-            n = 0
+        outcomes = {}
+        for index, item, first in zip(indices, items, spans):
+            outcomes[index] = 0
             if error is not None:
                 self.tokens.fail_group(item.group, f"sampling failed: {type(error).__name__}: {error}")
-            else:
-                failed = [batch.failures[r] for r in range(first, first + item.num_tokens) if r in batch.failures]
-                if failed:
-                    self.tokens.fail_group(item.group, f"sampling failed: {failed[0]}")
-                else:
-                    drawn = [batch.tokens[batch.offsets[r]] for r in range(first, first + item.num_tokens)]
-                    n = num_accepted(drafts, drawn)
-                    self._append(item, batch, first, drawn[:n + 1])
-            drafted += len(drafts)
-            accepted += n
-            self.policy.observe(item.seq.seq_id, len(drafts), n)
-            self._roll_back(item, n)
-        self.counters.num_drafts += len(items)
-        self.counters.num_draft_tokens += drafted
-        self.counters.num_accepted_tokens += accepted
+                continue
+            failed = [batch.failures[r] for r in range(first, first + item.num_tokens) if r in batch.failures]
+            if failed:
+                self.tokens.fail_group(item.group, f"sampling failed: {failed[0]}")
+                continue
+            drawn = [batch.tokens[batch.offsets[r]] for r in range(first, first + item.num_tokens)]
+            n = outcomes[index] = num_accepted(item.seq.draft_token_ids, drawn)
+            extras = batch.top_logprobs or batch.scores
+            self._append(item, drawn[:n + 1], lambda j, first=first: batch.logprobs[batch.offsets[first + j]],
+                         (lambda seq, j, first=first: self.tokens._keep_extras(seq, batch, first + j)) if extras
+                         else None)
+        return outcomes
 
-    def _append(self, item: ScheduledSeq, batch: SampleBatch, first: int, tokens: List[int]) -> None:
+    def _verify_drawn(self, item: ScheduledSeq, logits: torch.Tensor) -> int:
+        """Drafts drawn from a distribution q: the speculative-sampling rule against the target's distributions
+        at their positions (rejection.py); returns how many drafts were accepted."""
+        seq = item.seq
+        request = SampleRequest(item.group.sampling_params, seq, 1, None, (), False)
+        try:
+            p = target_distributions(logits, [request] * item.num_tokens)
+            tokens = speculative_sample(p, seq.draft_probs, seq.draft_token_ids, self.tokens.sampler.generator)
+        except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+            self.tokens.fail_group(item.group, f"sampling failed: {type(exc).__name__}: {exc}")
+            return 0
+        log_p = [math.log(float(p[j, t])) for j, t in enumerate(tokens)]
+        self._append(item, tokens, log_p.__getitem__, None)
+        return len(tokens) - 1
+
+    def _append(self, item: ScheduledSeq, tokens: List[int], logprob_of: Callable[[int], float],
+                keep_extras: Optional[Callable[[Any, int], None]]) -> None:
         """Append the accepted tokens one at a time, each checked against the stop conditions."""
         group, seq = item.group, item.seq
         if group.error is not None or seq.is_finished():
             return   # it ended (aborted) since the step was launched: its tokens were computed in vain
         group.branched = True
-        extras = batch.top_logprobs or batch.scores
         processor = self.tokens
         appended = 0
         for j, token in enumerate(tokens):
-            row = first + j
             seq.token_ids.append(token)
-            seq.cumulative_logprob += batch.logprobs[batch.offsets[row]]
-            if extras:
-                processor._keep_extras(seq, batch, row)
+            seq.cumulative_logprob += logprob_of(j)
+            if keep_extras is not None:
+                keep_extras(seq, j)
             appended += 1
             processor._finish_tokens([item])
             if seq.is_finished() or group.error is not None:
@@ -124,6 +159,7 @@ class DraftVerifier:
         seq = item.seq
         seq.num_pending -= 1
         seq.draft_token_ids = []
+        seq.draft_probs = None
         seq.num_computed_tokens = min(item.start + 1 + accepted, len(seq.token_ids))
         seq.max_computed_tokens = seq.num_computed_tokens
         bm = self.tokens.block_manager
