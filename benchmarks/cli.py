@@ -1,6 +1,6 @@
 """`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, structured, or all) or
-a study (recompute-policies, busy-threads, step-profile, host-overhead, lora, compiled-decode) at a named size,
-print its table, write NAME.json (and NAME.png) under RESULTS/NAME/. `--documented` runs it at the size
+a study (recompute-policies, busy-threads, step-profile, host-overhead, lora, compiled-decode, speculative) at a
+named size, print its table, write NAME.json (and NAME.png) under RESULTS/NAME/. `--documented` runs it at the size
 docs/benchmarks.md documents, records it (benchmarks: docs/img/bench-NAME.json beside the plot; studies:
 docs/measurements/NAME.json) and regenerates the doc; `bench docs` regenerates docs/benchmarks.md and its plots
 from the recorded JSON alone."""
@@ -17,7 +17,7 @@ from paged_backend.benchmarks.harness.provenance import REPO_ROOT, dirty_refusal
 
 BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")   # `all`, one commit
 STUDIES = ("recompute-policies", "busy-threads", "step-profile", "host-overhead", "lora",
-           "compiled-decode")   # side studies, each recorded on its own
+           "compiled-decode", "speculative")   # side studies, each recorded on its own
 PAPER = ("waste", "throughput", "sharing", "serving")   # benchmarks/paper/; the others are in benchmarks/micro/
 DOCS_DIR = REPO_ROOT / "docs"
 
@@ -88,7 +88,8 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="reproduce the paper's measurements (waste, throughput, sharing, serving, "
                                          "overhead; structured: the cost of a JSON schema; all; the studies "
                                          "recompute-policies, busy-threads, step-profile, host-overhead, lora, "
-                                         "compiled-decode; docs regenerates docs/benchmarks.md)", description=__doc__)
+                                         "compiled-decode, speculative; docs regenerates docs/benchmarks.md)",
+                          description=__doc__)
     p.add_argument("benchmark", choices=BENCHMARKS + STUDIES + ("all", "docs"))
     p.add_argument("--size", default=None, help="a named size: quick, full (waste/sharing/overhead), anchor "
                                                 "(throughput/serving); default: the documented one")

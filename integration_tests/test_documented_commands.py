@@ -93,6 +93,8 @@ COMMANDS: Dict[str, Run] = {
     "paged-backend serve DIR --num-blocks 192 --block-size 16": Run("http", SERVE),
     "paged-backend serve path/to/hf-model --device cuda --dtype bfloat16 --tensor-parallel-size 4": Run("http", SERVE),
     "paged-backend serve --help": Run("exit"),
+    "paged-backend serve smollm2 --port 8000 --speculative-config "
+    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'": Run("http"),
     "paged-backend serve smollm2 --enable-lora --max-loras 4 --lora-modules sql-lora=/adapters/sql-lora": Run(
         "http", "paged-backend serve DIR --host 127.0.0.1 --port 8000 --num-blocks 192 --enable-lora --max-loras 4 "
                 "--max-lora-rank 8 --lora-modules sql-lora=/adapters/sql-lora"),
@@ -142,6 +144,8 @@ COMMANDS: Dict[str, Run] = {
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_busy_threads_study"),
     "paged-backend bench lora --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_lora_study"),
+    "paged-backend bench speculative --documented": Run("covered", covered_by=QUICK.format("speculative")),
+    "paged-backend bench speculative": Run("covered", covered_by=QUICK.format("speculative")),
     "paged-backend bench host-overhead --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_host_overhead_study"),
     "paged-backend bench host-overhead --documented --allow-dirty": Run(   # the before record's own command

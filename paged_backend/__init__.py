@@ -19,6 +19,7 @@ _PUBLIC: Dict[str, Union[str, Tuple[str, str]]] = {
     "LLMEngine": "paged_backend.engine.llm_engine",
     "AsyncLLMEngine": "paged_backend.engine.async_llm_engine",
     "EngineConfig": "paged_backend.config",
+    "SpeculativeConfig": "paged_backend.config",
     "SamplingParams": "paged_backend.sampling_params",
     "LoRARequest": "paged_backend.engine.lora_request",
     "RequestOutputKind": "paged_backend.sampling_params",

@@ -36,6 +36,21 @@ def parse_dtype(name: str):
     return getattr(torch, dtype_name(name))
 
 
+def speculative_config(text: str) -> dict:
+    """`--speculative-config`: a JSON object of `SpeculativeConfig` fields, checked here (argparse reports why
+    it is refused)."""
+    import json
+
+    from paged_backend.config import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+        SpeculativeConfig.of(value)
+    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"not a speculative config: {exc}") from None
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that builds an engine."""
     group = parser.add_argument_group("engine")
@@ -64,6 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule the next step and prepare its inputs while the model runs the current one "
                             "(vLLM's name; default: the engine's, on)")
+    group.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                       help="speculative decoding (vLLM's): a JSON object such as "
+                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (docs/speculative.md)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters chosen per request")
     group.add_argument("--max-loras", type=int, default=1, help="LoRA adapters on the device at once (default 1)")
@@ -83,7 +101,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size, compile=args.compile,
                 seed=args.seed, enable_lora=args.enable_lora,
                 max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}))
+                **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
+                **({} if args.speculative_config is None else {"speculative_config": args.speculative_config}))
 
 
 def _add_info(sub) -> None:

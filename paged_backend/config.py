@@ -179,6 +179,57 @@ class LoRAConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` names): each step a proposer guesses up to
+    `num_speculative_tokens` next tokens of a sequence and the target model verifies them in the same forward.
+    `method` "ngram" looks the sequence's last `prompt_lookup_max`..`prompt_lookup_min` tokens up earlier in
+    it (prompt lookup); "draft_model" runs `model` (a preset, a path or a model object with the same
+    tokenizer). No speculation in a step whose running batch has more than `disable_by_batch_size` sequences
+    (docs/speculative.md)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: Optional[int] = None   # 1 unless given
+    prompt_lookup_max: Optional[int] = None   # 3 (at least prompt_lookup_min) unless given
+    model: object = None
+    disable_by_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = 1
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = max(3, self.prompt_lookup_min) if isinstance(self.prompt_lookup_min, int) else 3
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; use one of {SPECULATIVE_METHODS}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            _positive_int(f"speculative_config {name}", getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model' (a preset, a path or a model)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no 'model'")
+
+    @classmethod
+    def of(cls, value) -> Optional["SpeculativeConfig"]:
+        """From `speculative_config` as given: None, a SpeculativeConfig, or a dict of its fields (unknown keys
+        raise, naming them)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 4}}, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model itself."""
@@ -188,6 +239,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: Optional[SpeculativeConfig] = None
     seed: int = 0
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default)
 
@@ -207,6 +259,7 @@ class EngineConfig:
         values: dict = {name: {} for name in parts}
         seed = kwargs.pop("seed", 0)
         max_logprobs = kwargs.pop("max_logprobs", 20)
+        speculative = SpeculativeConfig.of(kwargs.pop("speculative_config", None))
         if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
         for key, value in kwargs.items():
@@ -216,11 +269,12 @@ class EngineConfig:
             values[owner][key] = value
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
-        return cls(**{name: parts[name](**values[name]) for name in parts}, seed=seed, max_logprobs=max_logprobs)
+        return cls(**{name: parts[name](**values[name]) for name in parts}, speculative=speculative, seed=seed,
+                   max_logprobs=max_logprobs)
 
 
 ENGINE_OPTION_NAMES = tuple(
     sorted(set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
            | set(ParallelConfig.__dataclass_fields__) | set(LoRAConfig.__dataclass_fields__)
-           | set(CompilationConfig.__dataclass_fields__) | {"seed", "max_logprobs"})
+           | set(CompilationConfig.__dataclass_fields__) | {"seed", "max_logprobs", "speculative_config"})
 )

@@ -620,3 +620,16 @@ def test_quick_lora_study(tmp_path):
     assert all(r["slot_loads"]["min"] >= result["config"]["num_adapters"] for s, r in rows.items() if s != "base")
     swap = result["swap_in"]
     assert swap["adapter_mib"] > 0 and swap["disk_read_ms"] > 0 and swap["slot_load_ms"] > 0
+
+
+def test_quick_speculative_benchmark(tmp_path):
+    """Both workloads with and without prompt lookup, one sequential request at a time: the same greedy tokens
+    (the record's check), a ratio per workload and the targets of the issue."""
+    result = _bench("speculative", tmp_path)
+    rows = {(r["workload"], r["system"]): r for r in result["rows"]}
+    assert set(rows) == {(w, s) for w in ("edit", "sharegpt") for s in ("plain", "ngram")}
+    for workload, target in (("edit", 1.8), ("sharegpt", 0.95)):
+        assert rows[(workload, "plain")]["ratio"]["median"] == 1.0 and rows[(workload, "plain")]["draft_tokens"] == 0
+        assert rows[(workload, "ngram")]["ratio"]["median"] > 0 and rows[(workload, "ngram")]["target"] == target
+        assert rows[(workload, "ngram")]["output_tokens"] == rows[(workload, "plain")]["output_tokens"] > 0
+    assert result["config"]["speculative_config"]["method"] == "ngram"

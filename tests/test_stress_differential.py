@@ -224,3 +224,37 @@ def pytest_generate_tests(metafunc):
     if "stress_seed" in metafunc.fixturenames:
         count = metafunc.config.getoption("stress_seeds")
         metafunc.parametrize("stress_seed", list(range(count)))
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "ngram"])
+def test_stress_speculation_changes_no_output(stress_seed, proposer):
+    """Speculative decoding on and off (the default preemption mix, float64): its greedy requests speculate
+    (drafts from prompt lookup, or the known continuations with a wrong token here and there, so that drafts are
+    accepted and rejected) among beams, structured, seeded and failing requests; every output, text,
+    log-probability, finish reason and error is the same, and neither run leaks a block."""
+    from spec_oracle import with_oracle
+
+    model, tok = get_model("tiny-llama", torch.float64)
+    requests = random_workload(stress_seed)
+    plain, off = run_under_pressure(model, tok, requests, None)
+    assert plain.get_stats().num_preemptions > 0   # the cache is under pressure (with speculation the workload
+    # takes fewer steps and may not preempt; tests/test_speculative.py preempts speculating requests for sure)
+    engine = LLMEngine(model, tokenizer=tok, block_size=BLOCK, num_blocks=18, num_swap_blocks=8,
+                       enable_prefix_caching=True, max_num_batched_tokens=24,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    if proposer == "oracle":
+        with_oracle(engine, [(r.prompt, off[r.request_id].outputs[0].token_ids) for r in requests
+                             if r.request_id.startswith("greedy")])
+    on = run_workload(engine, requests)
+    stats = engine.get_stats()
+    if proposer == "oracle":
+        assert stats.spec_decode_num_accepted_tokens > 0, stats
+    assert_no_leaks(engine)
+    assert on.keys() == off.keys() == {r.request_id for r in requests}
+    for rid, a_out in on.items():
+        b_out = off[rid]
+        assert a_out.error == b_out.error, (stress_seed, rid)
+        for a, b in zip(a_out.outputs, b_out.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+                (b.token_ids, b.text, b.finish_reason, b.stop_reason), (stress_seed, rid)
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-9), (stress_seed, rid)

@@ -45,6 +45,9 @@ class Attachment:
         self._sessions = 0
         self._training: Optional[Dict[torch.nn.Module, bool]] = None  # flags to restore when no call runs
         self._ids = itertools.count()
+        self._engine_speculation = engine.config.speculative   # the engine's own (attach's speculative_config)
+        self._base_speculation = self._engine_speculation
+        self._speculating: List[dict] = []   # the speculation of running calls that asked for one, in order
 
     def running_engine(self) -> LLMEngine:
         engine = self.engine
@@ -52,21 +55,38 @@ class Attachment:
             raise RuntimeError("the model was detached from the paged backend")
         return engine
 
-    def session(self) -> "EngineSession":
-        """A new call's view of the engine (use it as a context manager)."""
-        return EngineSession(self, f"hf-{next(self._ids)}-")
+    def session(self, speculation: Optional[dict] = None) -> "EngineSession":
+        """A new call's view of the engine (use it as a context manager); `speculation`: the engine's
+        speculative_config while the call runs (transformers' assisted generation)."""
+        return EngineSession(self, f"hf-{next(self._ids)}-", speculation)
 
     # ---- used by sessions, under the lock ---------------------------------------------------------
-    def _open(self) -> None:
+    def _open(self, speculation: Optional[dict] = None) -> None:
         with self._lock:
-            self.running_engine()
+            engine = self.running_engine()
+            if speculation is not None:
+                engine.set_speculative_config(speculation)   # refused (ValueError) before anything changes
+                if not self._speculating:
+                    self._base_speculation = self._engine_speculation
+                self._speculating.append(speculation)
             if self._sessions == 0:
                 self._training = training_flags(self.model)
                 self.model.eval()
             self._sessions += 1
 
-    def _close(self, request_ids: List[str]) -> None:
+    def _end_speculation(self, speculation: Optional[dict]) -> None:
+        """A call that asked for speculation ends: the engine goes back to the speculation of the calls still
+        running that asked for one (the latest), or to its own. Greedy outputs never depend on it."""
+        if speculation is None:
+            return
+        self._speculating.remove(speculation)
+        if self.engine is not None:
+            self.engine.set_speculative_config(self._speculating[-1] if self._speculating
+                                               else self._base_speculation)
+
+    def _close(self, request_ids: List[str], speculation: Optional[dict] = None) -> None:
         with self._lock:
+            self._end_speculation(speculation)
             unfinished = [rid for rid in request_ids if rid in self._inboxes]
             if unfinished and self.engine is not None:
                 self.engine.abort_request(unfinished)
@@ -131,19 +151,20 @@ class EngineSession:
     """One generate call's requests in the shared engine: add them, read their outputs, abort them; closing
     the session aborts what is still running and frees its blocks."""
 
-    def __init__(self, attachment: Attachment, prefix: str) -> None:
+    def __init__(self, attachment: Attachment, prefix: str, speculation: Optional[dict] = None) -> None:
         self._attachment = attachment
         self._prefix = prefix
+        self._speculation = speculation
         self.request_ids: List[str] = []
         # the PEFT adapters active when the call starts: its requests' KV is cached under their name only
         self.cache_salt: Optional[str] = adapter_cache_salt(attachment.model)
 
     def __enter__(self) -> "EngineSession":
-        self._attachment._open()
+        self._attachment._open(self._speculation)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._attachment._close(self.request_ids)
+        self._attachment._close(self.request_ids, self._speculation)
 
     def add(self, key: int, prompt, params: SamplingParams) -> str:
         """Queue one request of this call; returns its engine request id."""

@@ -45,6 +45,25 @@ def _refuse_unsupported_arguments(kwargs: Dict[str, Any], logits_processor, pref
                 raise ValueError(f"stopping_criteria items must be callables, got {type(criterion).__name__}")
 
 
+def speculative_config(config, assistant_model) -> Optional[Dict[str, Any]]:
+    """transformers' assisted generation as the engine's speculative decoding (vLLM's `speculative_config`):
+    `prompt_lookup_num_tokens=N` is prompt lookup of N tokens with n-grams of up to `max_matching_ngram_size`
+    (transformers' default 2), `assistant_model=draft` a draft model proposing `num_assistant_tokens` tokens;
+    None when the call asks for neither."""
+    lookup = config.prompt_lookup_num_tokens
+    if lookup is not None and assistant_model is not None:
+        raise ValueError("give either prompt_lookup_num_tokens or assistant_model, not both")
+    if lookup is not None:
+        return {"method": "ngram", "num_speculative_tokens": int(lookup), "prompt_lookup_min": 1,
+                "prompt_lookup_max": int(config.max_matching_ngram_size or 2)}
+    if assistant_model is not None:
+        if not isinstance(assistant_model, torch.nn.Module):
+            raise ValueError(f"assistant_model must be a model, got {type(assistant_model).__name__}")
+        return {"method": "draft_model", "model": assistant_model,
+                "num_speculative_tokens": int(config.num_assistant_tokens or 20)}
+    return None
+
+
 def _criteria(resolved: ResolvedConfig, user_criteria, tokenizer):
     """Stop strings, max_time and the user's criteria, merged as transformers merges them (a user criterion
     replaces a default one of the same type); None when there is nothing to run."""
@@ -88,10 +107,13 @@ def _row_processors(resolved: ResolvedConfig, batch, eos_ids, logits_processor, 
 def _plan(model, state: Attachment, inputs, generation_config, logits_processor, stopping_criteria,
           prefix_allowed_tokens_fn, streamer, kwargs: Dict[str, Any]) -> Plan:
     kwargs = dict(kwargs)
+    assistant_model = kwargs.pop("assistant_model", None)
     _refuse_unsupported_arguments(kwargs, logits_processor, prefix_allowed_tokens_fn, stopping_criteria)
     tokenizer = kwargs.pop("tokenizer", None)
     tokenizer = state.tokenizer if tokenizer is None else tokenizer
     resolved = resolve_generation_config(model, generation_config, kwargs)
+    speculation = speculative_config(resolved.config, assistant_model)
+    resolved.config.prompt_lookup_num_tokens = None   # assisted generation is the engine's speculation here
     check_supported(resolved)
     config = resolved.config
     mode = str(getattr(config.get_generation_mode(), "value", config.get_generation_mode()))
@@ -122,7 +144,7 @@ def _plan(model, state: Attachment, inputs, generation_config, logits_processor,
                               options.records, processors[b]) for b in range(batch.batch_size)]
     criteria = None if resolved.use_beam_search else _criteria(resolved, stopping_criteria, tokenizer)
     return Plan(batch, params, resolved.num_return_sequences, config.num_beams or 1, eos_ids, pad_id, options,
-                criteria)
+                criteria, speculation)
 
 
 def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=None, logits_processor=None,
@@ -139,7 +161,8 @@ def generate(model, inputs: Optional[torch.Tensor] = None, generation_config=Non
             run = BeamRun(plan)
             output = run.run(session)
     else:
-        run = GenerationStream(SamplingRun(plan), streamer, state.tokenizer, state.session)
+        run = GenerationStream(SamplingRun(plan), streamer, state.tokenizer,
+                               lambda: state.session(plan.speculation))
         output = run.finish()
     if run.filled_rows and plan.options.records:
         warnings.warn(UNMATCHED_ROWS_WARNING, UserWarning, stacklevel=3)
@@ -157,4 +180,4 @@ def generate_stream(model, inputs: Optional[torch.Tensor] = None, generation_con
                  prefix_allowed_tokens_fn, streamer, kwargs)
     if plan.num_beams > 1:
         raise ValueError("generate_stream does not support beam search: beams are only final at the end")
-    return GenerationStream(SamplingRun(plan), streamer, state.tokenizer, state.session)
+    return GenerationStream(SamplingRun(plan), streamer, state.tokenizer, lambda: state.session(plan.speculation))

@@ -30,7 +30,7 @@ _GLOBAL_DEFAULTS: Dict[str, Any] = {
 }
 
 # `generate` parameters of transformers that the paged backend cannot honour (refused unless None / False).
-UNSUPPORTED_GENERATE_ARGS = ("synced_gpus", "assistant_model", "negative_prompt_ids",
+UNSUPPORTED_GENERATE_ARGS = ("synced_gpus", "negative_prompt_ids",
                              "negative_prompt_attention_mask", "custom_generate", "assistant_tokenizer",
                              "trust_remote_code")
 # Model inputs the adapter understands; any other model keyword argument is refused.
@@ -64,7 +64,6 @@ _UNSUPPORTED_FIELDS = (
     ("dola_layers", lambda c: c.dola_layers is not None),
     ("low_memory", lambda c: c.low_memory is True),
     ("token_healing", lambda c: c.token_healing is True),
-    ("prompt_lookup_num_tokens", lambda c: c.prompt_lookup_num_tokens is not None),
     ("assistant_early_exit", lambda c: c.assistant_early_exit is not None),
     ("use_mtp", lambda c: bool(c.use_mtp)),
     ("is_assistant", lambda c: c.is_assistant is True),

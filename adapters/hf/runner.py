@@ -34,6 +34,7 @@ class Plan:
     pad_id: Optional[int]
     options: OutputOptions
     criteria: Optional[object] = None   # a StoppingCriteriaList run on the full ids, or None
+    speculation: Optional[dict] = None  # the engine's speculative_config while the call runs (assisted generation)
 
     @property
     def pad_after_finish(self) -> bool:

@@ -96,7 +96,10 @@ def _engine_values(args: argparse.Namespace) -> Dict[str, Any]:
     parts = [getattr(config, f.name) for f in dataclasses.fields(config)
              if dataclasses.is_dataclass(getattr(config, f.name))]   # the option groups (cache, scheduler, ...)
     parts.append(config)
-    values = {key: next(getattr(part, key) for part in parts if hasattr(part, key)) for key in kwargs}
+    values = {key: next(getattr(part, key) for part in parts if hasattr(part, key)) for key in kwargs
+              if key != "speculative_config"}
+    if "speculative_config" in kwargs:   # written as given: vLLM's JSON object
+        values["speculative_config"] = kwargs["speculative_config"]
     if not config.lora.enable_lora:   # model.json names LoRA only when it serves adapters
         values = {key: value for key, value in values.items() if key not in LORA_OPTIONS}
     return values

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
-from paged_backend import EngineConfig, KV_CACHE_DTYPES, compile_mode, parse_memory, to_bool, to_float, to_int, to_str
+from paged_backend import (EngineConfig, KV_CACHE_DTYPES, SpeculativeConfig, compile_mode, parse_memory, to_bool,
+                           to_float, to_int, to_str)
 
 MODEL_JSON = "model.json"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -82,6 +83,17 @@ def _device(name: str, value: Any) -> str:
     return text
 
 
+def _speculative(name: str, value: Any) -> Dict[str, Any]:
+    """vLLM's `speculative_config`: a JSON object (or its text) of SpeculativeConfig fields."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} must be a JSON object, got {value!r}: {exc}") from None
+    SpeculativeConfig.of(value)
+    return dict(value)
+
+
 # vLLM name -> (reader, EngineConfig option it sets)
 _ENGINE_ARGS: Dict[str, tuple] = {
     "block_size": (to_int, "block_size"), "max_num_seqs": (to_int, "max_num_seqs"),
@@ -95,6 +107,7 @@ _ENGINE_ARGS: Dict[str, tuple] = {
     "preemption_mode": (_optional(_preemption), "preemption_mode"),
     "kv_cache_dtype": (_kv_cache_dtype, "kv_cache_dtype"),
     "async_scheduling": (to_bool, "async_scheduling"),
+    "speculative_config": (_optional(_speculative), "speculative_config"),   # vLLM's JSON object
     # this engine's own sizing options
     "num_blocks": (_optional(to_int), "num_blocks"), "kv_cache_memory": (_optional(_memory), "kv_cache_memory"),
     "num_swap_blocks": (_optional(to_int), "num_swap_blocks"), "watermark": (to_float, "watermark"),
@@ -136,8 +149,8 @@ ONLY_DEFAULT: Dict[str, tuple] = {
     "lora_dtype": ("auto", "LoRA weights run in the model's dtype"),
     "fully_sharded_loras": (False, "LoRA with tensor parallelism is not supported"),
     "long_lora_scaling_factors": (None, "long-context LoRA is not supported"),
-    "speculative_config": (None, "speculative decoding is not implemented"),
-    "speculative_model": (None, "speculative decoding is not implemented"),
+    "speculative_model": (None, "name the draft model in speculative_config "
+                                "({\"method\": \"draft_model\", \"model\": ...})"),
     "cpu_offload_gb": (0, "weights are not offloaded"),
     "skip_tokenizer_init": (False, "the engine needs its tokenizer"),
     "load_format": ("auto", "weights are loaded with transformers' from_pretrained"),

@@ -253,6 +253,19 @@ class BlockManager:
             table.append(block)
         return True
 
+    def release_slots_after(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks at the end of the sequence's table beyond those its first `num_tokens` tokens need:
+        the blocks `append_slots` gave to draft tokens that were then rejected (speculative decoding). They were
+        allocated for them alone and never entered the prefix cache (only known tokens name a block)."""
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return
+        keep = max(self.blocks_for(num_tokens), self._num_registered.get(seq.seq_id, 0))
+        while len(table) > keep:
+            block = table.pop()
+            if block != HOLE:
+                self.device.free(block)
+
     def grow_for_chunk(self, seq: Sequence, num_tokens: int) -> int:
         """How many of the next `num_tokens` uncomputed tokens have slots, after giving a windowed sequence
         new blocks for them while any are free (the step's chunk; the blocks it leaves behind the window are

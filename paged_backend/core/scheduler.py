@@ -258,29 +258,32 @@ class Scheduler:
         return [s for s in group.get_seqs(SequenceStatus.RUNNING) if s.num_uncomputed_tokens > 0]
 
     def _schedule_tokens(self, groups: List[SequenceGroup], out: SchedulerOutput, budget: _Budget) -> None:
-        """Decode tokens first (one per sequence), then prefill chunks, within the token budget."""
+        """Decode tokens first (one per sequence, with its draft tokens when it speculates), then prefill chunks,
+        within the token budget."""
         prefilling = []
         running = SequenceStatus.RUNNING
         scheduled = out.scheduled
         for group in groups:
             seqs = []
             prefill = False
+            tokens = 0
             for seq in group.seqs:
                 if seq.status is running:
                     todo = seq.len_with_pending - seq.num_computed_tokens
-                    if todo > 1:
+                    if todo > 1 and not seq.draft_token_ids:
                         prefill = True
                         break
-                    if todo == 1:
+                    if todo >= 1:  # a decode token, and the draft tokens verified with it (speculative decoding)
                         seqs.append(seq)
+                        tokens += todo
             if prefill:
                 prefilling.append(group)
                 continue
-            if len(seqs) > budget.tokens:
+            if tokens > budget.tokens:
                 continue  # cannot happen while the token budget covers max_num_seqs; never starve the rest
             for seq in seqs:
-                scheduled.append(ScheduledSeq(group, seq, 1))
-            budget.tokens -= len(seqs)
+                scheduled.append(ScheduledSeq(group, seq, seq.len_with_pending - seq.num_computed_tokens))
+            budget.tokens -= tokens
         for group in prefilling:
             self._schedule_chunks(group, out, budget)
 

@@ -47,6 +47,10 @@ class Sequence:
         # tokens that launched steps are sampling for this sequence and that are not appended yet (with
         # overlapped scheduling the next step is scheduled before the previous one's token is known)
         self.num_pending = 0
+        # proposed next tokens (speculative decoding) that the step being scheduled verifies after its last
+        # token: they have slots and are computed with it, and are never part of `token_ids` until accepted
+        self.draft_token_ids: List[int] = []
+        self.draft_probs: Any = None   # the distributions the drafts were drawn from ([k, V]; None: point masses)
         self.max_len: Optional[int] = None  # the length at which it certainly ends (max_tokens, the context)
         self.max_computed_tokens = 0  # high-water mark: tokens below it computed again are recomputation
         self.status = SequenceStatus.WAITING
@@ -78,9 +82,10 @@ class Sequence:
 
     @property
     def len_with_pending(self) -> int:
-        """Its length once the tokens being sampled for it are appended, what its slots must cover; a pending
-        token that ends it (it reaches `max_len`) does not count: its K/V is never computed."""
-        length = len(self.token_ids) + self.num_pending
+        """Its length once the tokens being sampled for it are appended (and its draft tokens, while they are
+        verified), what its slots must cover; a pending token that ends it (it reaches `max_len`) does not
+        count: its K/V is never computed."""
+        length = len(self.token_ids) + self.num_pending + len(self.draft_token_ids)
         if self.num_pending and self.max_len is not None and length >= self.max_len:
             return length - 1
         return length
@@ -112,6 +117,8 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_pending = self.num_pending
+        child.draft_token_ids = list(self.draft_token_ids)
+        child.draft_probs = self.draft_probs
         child.max_len = self.max_len
         child.max_computed_tokens = self.max_computed_tokens
         child.status = self.status

@@ -47,7 +47,9 @@ def prepare_step(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, List
                  pending_rows: Optional[Dict[int, int]] = None) -> Tuple[StepInputs, Optional[TokenFill]]:
     """The step's inputs and, when some of its tokens are still being sampled, where they come from
     (`pending_rows`: sequence id -> its row among the previous step's sampled tokens). Python touches each
-    sequence once; positions and cache slots of every token come from tensor ops."""
+    sequence once; positions and cache slots of every token come from tensor ops. A speculating sequence's chunk
+    is its last token and its draft tokens, and every one of them samples: their logits rows come after all the
+    other sampled rows, in the order of the chunks."""
     tokens: List[int] = []
     first_positions: List[int] = []
     chunk_lens: List[int] = []
@@ -55,12 +57,17 @@ def prepare_step(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, List
     sample_rows: List[int] = []
     fill_positions: List[int] = []
     fill_rows: List[int] = []
+    draft_rows: List[int] = []
     for item in scheduled:
         seq = item.seq
         start, n = item.start, item.num_tokens
         ids = seq.token_ids
         if n == 1 and start < len(ids):
             tokens.append(ids[start])
+        elif seq.draft_token_ids and item.samples:  # speculative decoding: its last token, then its drafts
+            tokens.extend(ids[start:])
+            tokens.extend(seq.draft_token_ids)
+            draft_rows.extend(range(len(tokens) - n, len(tokens)))
         else:
             chunk = ids[start:start + n]
             tokens.extend(chunk)
@@ -73,7 +80,7 @@ def prepare_step(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, List
         first_positions.append(start)
         chunk_lens.append(n)
         tables.append(block_tables[seq.seq_id])
-        if item.samples:
+        if item.samples and not seq.draft_token_ids:
             sample_rows.append(len(tokens) - 1)
     n = len(chunk_lens)
     table_array = _pad_tables(tables)
@@ -98,7 +105,7 @@ def prepare_step(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, List
         block_tables=torch.from_numpy(table_array),
         context_lens=torch.from_numpy((first + lens).astype(np.int32)),
         query_start_loc=torch.from_numpy(query_start),
-        sample_indices=torch.tensor(sample_rows, dtype=torch.long),
+        sample_indices=torch.tensor(sample_rows + draft_rows if draft_rows else sample_rows, dtype=torch.long),
     )
     fill = TokenFill(torch.tensor(fill_positions, dtype=torch.long), torch.tensor(fill_rows, dtype=torch.long)) \
         if fill_positions else None

@@ -12,7 +12,7 @@ from paged_backend import kernels
 from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, SpeculativeConfig
 from paged_backend.engine.detokenizer import stop_string_in_candidate
 from paged_backend.errors import EngineDeadError, InvalidRequest
 from paged_backend.engine.lora_manager import LoRAManager
@@ -34,6 +34,10 @@ from paged_backend.worker.sizing import KVCacheSize, size_kv_cache
 from paged_backend.worker.step_inputs import Runner
 from paged_backend.engine.step_loop import StepLoop
 from paged_backend.engine.step_pipeline import LaunchedStep, StepWorker
+from paged_backend.engine.spec_decode.policy import SpecPolicy
+from paged_backend.engine.spec_decode.proposers import make_proposer
+from paged_backend.engine.spec_decode.speculator import Speculator
+from paged_backend.engine.spec_decode.verifier import DraftVerifier, SpecCounters
 from paged_backend.engine.streaming import DeltaTracker
 from paged_backend.engine.token_processor import TokenProcessor, sample_generator
 
@@ -109,6 +113,8 @@ class LLMEngine(StepLoop):
         self._cache_info = cache_config_info(self.config.cache, self.kv_size, self.sliding_window)
         self.tokens = TokenProcessor(self.block_manager, self.sampler, self.tokenizer,
                                      self.counters, self.eos_token_ids, self.max_model_len)
+        self.spec_counters = SpecCounters()
+        self.speculator: Optional[Speculator] = self._make_speculator()
         self._worker = StepWorker(threaded=self.config.scheduler.async_scheduling)
         self._inflight: Optional[LaunchedStep] = None   # the step launched ahead (overlapped scheduling)
 
@@ -154,6 +160,38 @@ class LLMEngine(StepLoop):
         lora = self.config.lora
         layers = LoRALayers(self.model, lora.max_loras, lora.max_lora_rank) if self.loras is not None else None
         return ModelRunner(self.model, cache, layers, compile=self.config.compilation.compile)
+
+    def _make_speculator(self) -> Optional[Speculator]:
+        """The proposer, policy and verifier of speculative decoding (`speculative_config`), or None."""
+        spec = self.config.speculative
+        if spec is None:
+            self.tokens.verifier = None
+            return None
+        if self.sliding_window is not None:
+            raise ValueError(f"speculative_config: {type(self.model).__name__} attends through a sliding window, "
+                             "which speculative decoding does not support yet")
+        proposer = make_proposer(spec, self)
+        policy = SpecPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size)
+        self.tokens.verifier = DraftVerifier(self.tokens, policy, self.spec_counters)
+        return Speculator(proposer, policy, self.block_manager, self.config.scheduler.max_num_batched_tokens)
+
+    def set_speculative_config(self, value) -> None:
+        """Turn speculative decoding on (vLLM's `speculative_config` dict), off (None) or change it, from the next
+        step on (no step in progress ever holds draft tokens, so this is safe between steps; outputs of greedy
+        requests do not change). The counters of `get_stats()` keep adding up."""
+        spec = SpeculativeConfig.of(value)
+        if spec == self.config.speculative:
+            return
+        previous, self.config.speculative = self.config.speculative, spec
+        try:
+            speculator = self._make_speculator()
+        except Exception:
+            self.config.speculative = previous
+            self._make_speculator()
+            raise
+        if self.speculator is not None:
+            self.speculator.close()
+        self.speculator = speculator
 
     # ---- requests ----------------------------------------------------------------------------
     @property
@@ -263,6 +301,8 @@ class LLMEngine(StepLoop):
         for rid in ids:
             group = self.scheduler.abort(rid)
             if group is not None:
+                if self.speculator is not None:
+                    self.speculator.forget([group])   # a draft model's blocks for it are free at once
                 outputs.append(self._finalize(group))
         if self._inflight is not None and not self.scheduler.has_unfinished():
             self._drain()  # the step launched ahead ran only aborted requests: nothing runs once the engine is idle
@@ -373,6 +413,10 @@ class LLMEngine(StepLoop):
             finish_reasons=dict(self.counters.finish_reasons),
             histograms=self.counters.histogram_snapshots(), cache_config=self._cache_info,
             lora_info=self._lora_info(), num_lora_loads=self.loras.num_slot_loads if self.loras is not None else 0,
+            spec_decode_num_drafts=self.spec_counters.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_counters.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            spec_decode_acceptance_rate=self.spec_counters.acceptance_rate,
             timestamp=time.time())
 
     def _lora_info(self) -> Dict[str, str]:
@@ -410,4 +454,6 @@ class LLMEngine(StepLoop):
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""
         self._drain()
         self._worker.shutdown()
+        if self.speculator is not None:
+            self.speculator.close()
         self.runner.shutdown()

@@ -139,6 +139,12 @@ class EngineStats:
     # waiting_lora_adapters (comma-separated adapter names)
     lora_info: Dict[str, str] = field(default_factory=dict)
     num_lora_loads: int = 0         # adapters moved into a device slot (LRU swap-ins)
+    # speculative decoding (docs/speculative.md): speculating rows verified, draft tokens proposed in them,
+    # draft tokens accepted, and accepted / proposed (0 before anything was proposed)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_acceptance_rate: float = 0.0
     timestamp: float = 0.0          # wall-clock time of the snapshot (the value of vLLM's lora_requests_info)
 
     def as_dict(self) -> Dict[str, float]:

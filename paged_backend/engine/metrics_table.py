@@ -96,6 +96,8 @@ METRICS: Tuple[MetricSpec, ...] = (
     _ours("e2e_request_latency_seconds", "Arrival to finish, per request", HISTOGRAM, "e2e_request_latency_seconds"),
     _ours("lora_slot_loads", "LoRA adapters moved into a device slot (the first use of an adapter, or its turn "
           "again after the slot went to another)", COUNTER, "num_lora_loads"),
+    _ours("spec_decode_acceptance_rate", "Accepted draft tokens per proposed draft token (speculative decoding, "
+          "0-1)", GAUGE, "spec_decode_acceptance_rate"),
     _ours("kernel_info", "The kernels in use: attention triton, cpp or torch; sampler cpp or torch (torch when the "
           "C++ kernels could not be built)", INFO, "kernels"),
     # ---- vLLM's names for the same values ----
@@ -146,6 +148,11 @@ METRICS: Tuple[MetricSpec, ...] = (
           HISTOGRAM, "request_params_max_tokens"),
     _vllm("request_params_max_tokens", "Histogram of the max_tokens request parameter", HISTOGRAM,
           "request_params_max_tokens"),
+    _vllm("spec_decode_num_drafts", "Number of spec decoding drafts (speculating rows verified)", COUNTER,
+          "spec_decode_num_drafts"),
+    _vllm("spec_decode_num_draft_tokens", "Number of draft tokens", COUNTER, "spec_decode_num_draft_tokens"),
+    _vllm("spec_decode_num_accepted_tokens", "Number of accepted tokens", COUNTER,
+          "spec_decode_num_accepted_tokens"),
     _vllm("cache_config_info", "Information of the LLMEngine CacheConfig", INFO, "cache_config"),
     _vllm("lora_requests_info", "Running stats on lora requests.", STATE, "lora_info"),
 )

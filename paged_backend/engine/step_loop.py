@@ -57,7 +57,14 @@ class StepLoop:
     def _launch(self: "LLMEngine", previous: Optional[LaunchedStep], outputs: List[RequestOutput]) -> Optional[LaunchedStep]:
         """Schedule a step and start it (after `previous`, whose sampled tokens some of its inputs are); the
         requests that failed to schedule go to `outputs`. None when there is nothing to run."""
+        speculator = self.speculator
+        if speculator is not None:
+            speculator.policy.tick()
+            if previous is None:  # every token is known: the running sequences may propose draft tokens
+                speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if speculator is not None:
+            speculator.settle(sched)
         lora_slots = self._assign_lora_slots(sched) if self.loras is not None else None
         for group in sched.failed:
             logger.error("request %r failed: %s", group.request_id, group.error)
@@ -70,6 +77,9 @@ class StepLoop:
         if inputs.num_tokens:
             self.counters.observe("iteration_tokens", inputs.num_tokens)
         rows = self.tokens.launch(sched)
+        if speculator is not None and not rows.needs_processing and \
+                speculator.wants_fresh_step(rows, self.scheduler.running):
+            rows.needs_processing = True   # the next step is launched after this one is processed, to propose
         launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill,
                                 lora_slot_of=lora_slots[0] if lora_slots is not None else {})
         launched.future = self._worker.submit(lambda: self._execute(launched, previous))
@@ -107,7 +117,9 @@ class StepLoop:
             for group in successor.sched.preempted:
                 if group.is_finished():
                     self.scheduler.discard_finished(group)
-        self.scheduler.free_finished()
+        done = self.scheduler.free_finished()
+        if self.speculator is not None and done:
+            self.speculator.forget(done)
         return self._outputs_of(launched.sched.scheduled)
 
     def _step_inputs(self: "LLMEngine", sched: SchedulerOutput, previous: Optional[LaunchedStep], lora_slots):

@@ -65,6 +65,7 @@ class StepRows:
     beams: List[int] = field(default_factory=list)       # rows scored by beam search
     requests: List[SampleRequest] = field(default_factory=list)  # one per normal row
     registered: List[tuple] = field(default_factory=list)  # prefix-cache entries added when it was launched
+    spec: List[ScheduledSeq] = field(default_factory=list)  # speculating chunks (their rows follow the samplers')
     needs_processing: bool = False   # the next step must not be scheduled before this one is processed
 
 
@@ -80,6 +81,7 @@ class TokenProcessor:
         self.counters = counters
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.verifier = None  # speculative decoding's verifier (spec_decode/verifier.py), set by the engine
 
     # ---- failures ----------------------------------------------------------------------------
     def fail_group(self, group: SequenceGroup, error: str) -> None:
@@ -112,8 +114,9 @@ class TokenProcessor:
         now = time.monotonic()
         for item in sched.scheduled:
             seq, start, end = item.seq, item.start, item.start + item.num_tokens
-            if item.num_tokens > 1 or start < seq.prompt_len:
-                counters.num_prompt_tokens += item.num_tokens
+            drafts = seq.draft_token_ids
+            if (item.num_tokens > 1 and not drafts) or start < seq.prompt_len:
+                counters.num_prompt_tokens += item.num_tokens - len(drafts)   # draft tokens are no prompt
             if start < seq.max_computed_tokens:
                 counters.num_recomputed_tokens += min(end, seq.max_computed_tokens) - start
                 seq.max_computed_tokens = max(seq.max_computed_tokens, end)
@@ -129,7 +132,9 @@ class TokenProcessor:
                 metrics.first_scheduled_time = now
             if item.samples:
                 seq.num_pending += 1
-                rows.samplers.append(item)
+                (rows.spec if drafts else rows.samplers).append(item)
+        if rows.spec:
+            rows.needs_processing = True  # the next step starts from the tokens its verification accepts
         for i, item in enumerate(rows.samplers):
             group = item.group
             plan = group.sampling_plan or SamplingPlan.of(group)
@@ -152,6 +157,8 @@ class TokenProcessor:
     def sample(self, rows: StepRows, logits: torch.Tensor, defer_logprobs: bool = False) -> SampleBatch:
         """The sampler's draws for the step's sampled rows (the rows in order need no gathered copy); greedy
         rows may leave their log-probabilities to `process` (`defer_logprobs`)."""
+        if rows.spec:
+            logits = logits[:len(rows.samplers)]
         if len(rows.normal) != len(rows.samplers):
             logits = logits[rows.normal]
         return self.sampler.sample_batch(logits, rows.requests, defer_logprobs)
@@ -178,6 +185,8 @@ class TokenProcessor:
                 self._apply_draws(items, batch)
         if rows.beams:
             self._beam_search([rows.samplers[i] for i in rows.beams], logits[rows.beams])
+        if rows.spec:
+            self.verifier.verify(rows.spec, None if logits is None else logits[len(rows.samplers):])
 
     def _apply_draws(self, items: List[ScheduledSeq], batch: SampleBatch) -> None:
         """Apply the results request by request: a request with a failed row fails and none of its rows' results
