@@ -600,6 +600,7 @@ def test_quick_host_overhead_study(tmp_path):
         assert row["sleep_sync"]["median_ms"] >= row["device_ms"]   # the sleeping runner's time is in the step
         assert row["phase_calls"]["schedule"] > 0 and row["host_phase_ms"]["sampling"] > 0
         assert 0 < row["logits_pass"]["median_ms"] < row["ready_sync"]["median_ms"]   # a part of the step
+        assert row["argmax_after_idle"]["median_ms"] > 0   # the overlapped worker's pass, after idling D ms
 
 
 def test_quick_compiled_decode_study(tmp_path):

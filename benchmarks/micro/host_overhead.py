@@ -144,18 +144,22 @@ def engine_vocab(model, tokenizer) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-def time_logits_pass(vocab: int, rows: int, repeats: int) -> dict:
+def time_logits_pass(vocab: int, rows: int, repeats: int, idle_ms: float = 0.0, with_norms: bool = True) -> dict:
     """The step's floor on this machine: the sampler's greedy pass over `rows` x `vocab` float32 logits (each
-    row's maximum and log-normaliser, as a step without overlap computes them), alone; median of `repeats`."""
+    row's maximum, and its log-normaliser `with_norms`, as a step without overlap computes them), alone; median of
+    `repeats`. With `idle_ms` the process sleeps that long before each pass, as the engine's threads wait for a
+    device: what waking its threads costs is then part of the pass, as it is of a step after its forward."""
     from paged_backend import kernels
 
     runner = ReadyLogitsRunner(vocab, 0)
     logits = runner.execute(_Rows(rows))
-    kernels.greedy_rows(logits)   # warm: the kernel library loaded, the pages touched
+    kernels.greedy_rows(logits, with_norms)   # warm: the kernel library loaded, the pages touched
     times = []
     for _ in range(repeats):
+        if idle_ms:
+            time.sleep(idle_ms / 1000.0)
         start = time.perf_counter()
-        kernels.greedy_rows(logits)
+        kernels.greedy_rows(logits, with_norms)
         times.append(time.perf_counter() - start)
     ms = sorted(1000 * t for t in times)
     return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1]}
@@ -186,8 +190,10 @@ def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
            "phase_calls": {name: timer.calls[name] for name in HOST_PHASES if name != "other"},
            "device_ms": config.device_ms,
            "sleep_sync": time_steps(model, tokenizer, prompts, config, off, config.device_ms)}
-    row["logits_pass"] = time_logits_pass(engine_vocab(model, tokenizer), len(prompts), steps)
-    if overlap:
+    vocab = engine_vocab(model, tokenizer)
+    row["logits_pass"] = time_logits_pass(vocab, len(prompts), steps)
+    if overlap:   # what the worker does after each forward when overlapped: the argmax alone, after idling
+        row["argmax_after_idle"] = time_logits_pass(vocab, len(prompts), steps, config.device_ms, with_norms=False)
         row["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
         row["sleep_overlap"] = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
     return row
@@ -203,7 +209,7 @@ def host_table(rows: List[dict], config: dict) -> List[List[str]]:
     for r in rows:
         d = r["device_ms"]
         out.append([str(r["running"]), cell(r, "ready_sync"), cell(r, "logits_pass"), cell(r, "ready_overlap"),
-                    cell(r, "sleep_sync", d), cell(r, "sleep_overlap", d)])
+                    cell(r, "sleep_sync", d), cell(r, "sleep_overlap", d), cell(r, "argmax_after_idle")])
     return out
 
 
@@ -211,7 +217,7 @@ def host_headers(device_ms: float) -> List[str]:
     """The host table's column names."""
     d = device_ms
     return ["running seqs", "ready: step ms", "of it: logits pass", "ready, overlap: ms", f"D={d:g} ms: step - D",
-            f"D={d:g}, overlap: - D"]
+            f"D={d:g}, overlap: - D", f"of it: argmax after {d:g} ms idle"]
 
 
 def phase_rows(rows: List[dict]) -> List[List[str]]:
@@ -265,7 +271,9 @@ def host_overhead_table(result: dict) -> str:
         f"returns ready logits, and one that sleeps D ms per forward (step time minus D); without and with "
         f"overlapped scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}. Logits pass: the "
         f"sampler's one pass over the step's logits (argmax and log-normaliser), alone: the part of a step no "
-        f"bookkeeping can remove on this machine (-: not measured)")
+        f"bookkeeping can remove on this machine; argmax after idle: the pass the worker makes after each forward "
+        f"when overlapped (argmax only), timed after sleeping D ms as the worker does, which pays for waking the "
+        f"kernel's threads (-: not measured)")
     phases = format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),
                           "Where the ready-logits step's time goes, without overlap (ms per step)")
     return steps + "\n\n" + phases
