@@ -111,7 +111,7 @@ def test_tgi_adapter_id_from_huggingface_hub(server, reference):
 def test_load_and_unload_over_http_while_requests_run(server, oai, dirs, reference):
     """Streams on the base model and on `sql` run while `late` is loaded and used, and `sql` is unloaded: every
     stream ends with its own adapter's tokens; afterwards `sql` names no adapter (the base model answers)."""
-    long = 48
+    long = 320   # long enough to outlast loading `late`, a request on it and the unload, however fast the machine
     http = httpx.Client(base_url=server.url, timeout=120)
 
     def stream(model):
