@@ -239,6 +239,13 @@ class SamplingParams:
         return self.beam_width > 1
 
     @property
+    def reports_logprobs(self) -> bool:
+        """Whether outputs carry `cumulative_logprob`: when `logprobs` is set (0 is enough), when best_of > n
+        samples are ranked by it, and for beam search (vLLM v1's contract: otherwise it is None, so that a
+        greedy step need not compute its rows' log-normalisers)."""
+        return self.logprobs is not None or self.best_of > self.n or self.use_beam_search
+
+    @property
     def num_branches(self) -> int:
         """Sequences the request runs at once after its prompt: best_of samples or beam_width beams."""
         return self.beam_width if self.use_beam_search else self.best_of

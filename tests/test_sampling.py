@@ -249,6 +249,43 @@ def test_logprobs_are_log_softmax_of_the_step(dtype):
                         abs_tol=1e-6)
 
 
+def test_cumulative_logprob_is_reported_only_when_logprobs_are_asked_for(dtype):
+    """vLLM v1's contract: `cumulative_logprob` is None unless the request sets `logprobs` (0 is enough), so that a
+    greedy step need not compute every row's log-normaliser; asking for it changes no token."""
+    llm = make_llm(dtype=dtype)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=7)
+    outs = llm.generate([PROMPT] * 4, [greedy, greedy.replace(logprobs=0), sampled, sampled.replace(logprobs=0)],
+                        use_tqdm=False)
+    plain, asked, plain_sampled, asked_sampled = (o.outputs[0] for o in outs)
+    assert plain.cumulative_logprob is None and plain.logprobs is None
+    assert plain_sampled.cumulative_logprob is None
+    assert plain.token_ids == asked.token_ids and plain_sampled.token_ids == asked_sampled.token_ids
+    for out in (asked, asked_sampled):
+        assert [list(d) for d in out.logprobs] == [[t] for t in out.token_ids]
+        assert math.isclose(out.cumulative_logprob, sum(d[t] for d, t in zip(out.logprobs, out.token_ids)),
+                            abs_tol=1e-6)
+    assert_no_leaks(llm.engine)
+
+
+def test_a_plain_greedy_step_skips_the_log_normalisers(dtype, monkeypatch):
+    """The greedy pass over a step's logits takes each row's maximum only when no row reports log-probabilities
+    (the log-normaliser is most of the pass on a CPU); a row that asks for them gets them."""
+    from paged_backend import kernels
+
+    calls = []
+    real = kernels.greedy_rows
+
+    def recording(logits, with_norms=True, *args, **kwargs):
+        calls.append(with_norms)
+        return real(logits, with_norms, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "greedy_rows", recording)
+    llm = make_llm(dtype=dtype)
+    llm.generate([PROMPT, "Hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert calls and not any(calls)
+
+
 def test_best_of_returns_the_most_likely_samples(dtype):
     out = make_llm(dtype=dtype).generate([PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6,
                                                        ignore_eos=True, seed=3), use_tqdm=False)[0]

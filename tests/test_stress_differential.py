@@ -72,11 +72,13 @@ def random_workload(seed: int) -> List[Request]:
                                     presence_penalty=0.3, logits_processors=[fail_at(rng.randint(1, 4))],
                                     output_scores=True)
         elif kind == "greedy":
-            params = SamplingParams(temperature=0, max_tokens=rng.randint(4, 16))
+            # every other request reports log-probabilities (cumulative_logprob is None without), drawn from no rng
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(4, 16), logprobs=0 if i % 2 else None)
         elif kind == "sample":
             params = SamplingParams(n=rng.randint(1, 3), temperature=rng.choice([0.7, 1.0]),
                                     top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([-1, 20]),
-                                    seed=rng.randrange(10**6), max_tokens=rng.randint(4, 16), output_scores=True)
+                                    seed=rng.randrange(10**6), max_tokens=rng.randint(4, 16), output_scores=True,
+                                    logprobs=0 if i % 2 else None)
         else:
             width = rng.randint(2, 3)
             params = SamplingParams(beam_width=width, n=rng.randint(1, width), temperature=0,

@@ -294,6 +294,22 @@ def test_logprobs_come_back_as_vllm_shapes_them():
     assert [v.decode() for v in arrays["logprobs"]] == ["null"]
 
 
+def test_return_cumulative_logprob_asks_the_engine_for_it_and_returns_no_logprobs_unasked():
+    """The engine reports cumulative_logprob only to requests that set `logprobs`: the flag alone sets 0 on the
+    engine's parameters, and the `logprobs` output stays null as the request did not ask for it."""
+    req = parse_generate_request({"text_input": text("P"), "return_cumulative_logprob": flag(True),
+                                  "return_logprobs": flag(True)})
+    assert req.params.logprobs == 0 and req.params.reports_logprobs and not req.logprobs_requested
+    tops = [{7: Logprob(-0.1, 1)}]
+    arrays = build_outputs(req, _delta({0: ("a", [7])}, True, logprobs={0: tops}), StreamState())
+    assert [v.decode() for v in arrays["logprobs"]] == ["null"] and arrays["cumulative_logprob"].tolist() == [-1.5]
+    plain = parse_generate_request({"text_input": text("P")})
+    assert plain.params.logprobs is None and not plain.params.reports_logprobs
+    asked = parse_generate_request({"text_input": text("P"), "sampling_parameters": text('{"logprobs": 2}'),
+                                    "return_cumulative_logprob": flag(True)})
+    assert asked.params.logprobs == 2 and asked.logprobs_requested
+
+
 # ---- model.json -----------------------------------------------------------------------------------
 def test_a_vllm_backend_model_json_loads_unchanged():
     # the vLLM backend's sample model.json (its model swapped for an offline preset)

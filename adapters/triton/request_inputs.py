@@ -72,6 +72,13 @@ class GenerateRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     batched: bool = False  # the inputs came with a batch dimension ([1, 1] shapes): outputs get one too
+    # whether the request set `logprobs` (None: whether `params` has it; params may carry a 0 that only makes the
+    # engine report cumulative_logprob)
+    logprobs_requested: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs_requested is None:
+            self.logprobs_requested = self.params.logprobs is not None
     lora_request: Optional[LoRARequest] = None  # the adapter `lora_name` picked (multi_lora.json)
 
 
@@ -150,5 +157,8 @@ def parse_generate_request(inputs: Mapping[str, Any], request_parameters: Any = 
         raise ValueError(f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
                          f"sequences are only known at the end")
     returns = {name: bool(_flag(name, inputs, flags)) for name in RETURN_FLAGS}
+    logprobs_requested = params.logprobs is not None
+    if returns["return_cumulative_logprob"] and not params.reports_logprobs:
+        params = params.replace(logprobs=0)   # the engine reports cumulative_logprob only for requests that ask
     return GenerateRequest(prompt=prompt, params=params, stream=stream, prepend_input=prepend_input,
-                           batched=batched, lora_request=lora, **returns)
+                           batched=batched, lora_request=lora, logprobs_requested=logprobs_requested, **returns)

@@ -59,7 +59,7 @@ def build_outputs(request: GenerateRequest, output: RequestOutput, state: Stream
         texts.append((prefix + (comp.text if comp else "")).encode("utf-8"))
         new_tokens.append(len(comp.token_ids) if comp else 0)
         if request.return_logprobs:
-            entries = None if params.logprobs is None else (
+            entries = None if not request.logprobs_requested else (
                 _logprob_entries(comp, decode_token or str) if comp else [])
             logprobs.append(json.dumps(entries).encode("utf-8"))
     arrays: Dict[str, np.ndarray] = {"text_output": np.array(texts, dtype=np.object_)}

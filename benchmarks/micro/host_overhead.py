@@ -28,6 +28,9 @@ from paged_backend.benchmarks.micro.standin_runners import ReadyLogitsRunner
 # phase -> the (object, method) pairs of the engine timed as that phase; methods a version lacks are skipped
 HOST_PHASES = ("schedule", "block_manager", "prepare_inputs", "sampling", "tokens", "outputs", "free", "runner",
                "other")
+# The pass a step makes over plain greedy rows' logits: their maxima alone, since such rows report no
+# log-probabilities (records before that change timed the pass with each row's log-normaliser too)
+PASS_WITH_NORMS = False
 
 
 class ExclusiveTimer:
@@ -191,7 +194,7 @@ def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
            "device_ms": config.device_ms,
            "sleep_sync": time_steps(model, tokenizer, prompts, config, off, config.device_ms)}
     vocab = engine_vocab(model, tokenizer)
-    row["logits_pass"] = time_logits_pass(vocab, len(prompts), steps)
+    row["logits_pass"] = time_logits_pass(vocab, len(prompts), steps, with_norms=PASS_WITH_NORMS)
     if overlap:   # what the worker does after each forward when overlapped: the argmax alone, after idling
         row["argmax_after_idle"] = time_logits_pass(vocab, len(prompts), steps, config.device_ms, with_norms=False)
         row["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
@@ -247,7 +250,7 @@ def run_host_overhead(config: HostOverheadConfig) -> dict:
     host = [measure_host(model, tokenizer, _prompts(tokenizer, batch, config.prompt_len, config.seed), config)
             for batch in config.batch_sizes]
     return {"benchmark": "host-overhead", "config": asdict(config), "conditions": {"threads": threads},
-            "host": host, "overlap": has_overlap()}
+            "host": host, "overlap": has_overlap(), "pass_with_norms": PASS_WITH_NORMS}
 
 
 def check_host_overhead(result: dict) -> List[str]:
@@ -261,6 +264,13 @@ def check_host_overhead(result: dict) -> List[str]:
     return problems
 
 
+def _pass_what(result: dict) -> str:
+    """What the recorded logits pass computed (records before the change have no `pass_with_norms`: both)."""
+    if result.get("pass_with_norms", True):
+        return "argmax and log-normaliser"
+    return "argmax alone: greedy rows that report no log-probabilities need no log-normaliser"
+
+
 def host_overhead_table(result: dict) -> str:
     c = result["config"]
     d = c["device_ms"]
@@ -270,8 +280,9 @@ def host_overhead_table(result: dict) -> str:
         f"{c['host_steps']} decode steps, {result['conditions'].get('torch_threads')} threads): a runner that "
         f"returns ready logits, and one that sleeps D ms per forward (step time minus D); without and with "
         f"overlapped scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}. Logits pass: the "
-        f"sampler's one pass over the step's logits (argmax and log-normaliser), alone: the part of a step no "
-        f"bookkeeping can remove on this machine; argmax after idle: the pass the worker makes after each forward "
+        f"sampler's one pass over the step's logits ({_pass_what(result)}), alone, back to back (the logits stay in "
+        f"cache; inside a step they come from memory): the part of a step no bookkeeping can remove on this machine; "
+        f"argmax after idle: the pass the worker makes after each forward "
         f"when overlapped (argmax only), timed after sleeping D ms as the worker does, which pays for waking the "
         f"kernel's threads (-: not measured)")
     phases = format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),

@@ -45,7 +45,7 @@ class OutputBuilder:
     def _completion(index: int, seq: Sequence, params: SamplingParams) -> CompletionOutput:
         return CompletionOutput(
             index=index, text=seq.output_text, token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob,
+            cumulative_logprob=seq.cumulative_logprob if params.reports_logprobs else None,
             logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
             finish_reason=seq.status.value if seq.is_finished() else None, stop_reason=seq.stop_reason,
             scores=[scores for _, scores in seq.output_scores] if params.output_scores else None,

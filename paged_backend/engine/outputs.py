@@ -29,7 +29,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: List[int]
-    cumulative_logprob: float
+    cumulative_logprob: Optional[float]       # None unless the request reports logprobs (SamplingParams.reports_logprobs)
     logprobs: Optional[List[Dict[int, Logprob]]] = None   # per new token: its top logprobs and its own, ranked
     finish_reason: Optional[str] = None       # "stop" | "length" | "abort" | None while running
     stop_reason: Optional[object] = None      # the stop string or stop token id that ended it

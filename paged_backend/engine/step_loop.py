@@ -94,8 +94,7 @@ class StepLoop:
         if not launched.rows.normal:
             return StepResult(logits)
         try:
-            # overlapped: the tokens the next step needs first; greedy log-probabilities after, off its path
-            return StepResult(logits, self.tokens.sample(launched.rows, logits, defer_logprobs=self._worker.threaded))
+            return StepResult(logits, self.tokens.sample(launched.rows, logits))
         except Exception as exc:  # noqa: BLE001 - a batched sampling stage failed: the step's sampled rows fail
             return StepResult(logits, None, exc)
 

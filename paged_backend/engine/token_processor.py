@@ -154,14 +154,13 @@ class TokenProcessor:
                                                plan.processed))
         return rows
 
-    def sample(self, rows: StepRows, logits: torch.Tensor, defer_logprobs: bool = False) -> SampleBatch:
-        """The sampler's draws for the step's sampled rows (the rows in order need no gathered copy); greedy
-        rows may leave their log-probabilities to `process` (`defer_logprobs`)."""
+    def sample(self, rows: StepRows, logits: torch.Tensor) -> SampleBatch:
+        """The sampler's draws for the step's sampled rows (the rows in order need no gathered copy)."""
         if rows.spec:
             logits = logits[:len(rows.samplers)]
         if len(rows.normal) != len(rows.samplers):
             logits = logits[rows.normal]
-        return self.sampler.sample_batch(logits, rows.requests, defer_logprobs)
+        return self.sampler.sample_batch(logits, rows.requests)
 
     # ---- processing a step -------------------------------------------------------------------------
     def process(self, sched: SchedulerOutput, rows: StepRows, logits: Optional[torch.Tensor],
@@ -193,7 +192,6 @@ class TokenProcessor:
         is applied; the other requests' results are exactly what they would be without it (the sampler isolates
         rows; nothing is sampled twice). A row whose sequence has ended since it was launched (it stopped in the
         step before, or was aborted) computed its token in vain: it is dropped."""
-        batch.complete()
         failures = batch.failures
         for i, message in failures.items():
             self.fail_group(items[i].group, f"sampling failed: {message}")
@@ -214,7 +212,8 @@ class TokenProcessor:
             if seq.grammar is not None and not self._accepts(group, seq, token):
                 continue
             seq.token_ids.append(token)
-            seq.cumulative_logprob += logprobs[offsets[i]]
+            if logprobs is not None:
+                seq.cumulative_logprob += logprobs[offsets[i]]
             if extras:
                 self._keep_extras(seq, batch, i)
             appended.append(item)
@@ -259,10 +258,14 @@ class TokenProcessor:
     def _finish_tokens(self, items: List[ScheduledSeq]) -> None:
         """One batched detokenization for the sequences that got a token, then each one's stop conditions."""
         texts = self._new_texts(items)
+        check_stop = self._check_stop
         for item, text in zip(items, texts):
-            if item.group.error is None:
-                self._guarded(item.group, "generating the next token",
-                              lambda item=item, text=text: self._check_stop(item.group, item.seq, text))
+            group = item.group
+            if group.error is None:
+                try:   # `_guarded`, inline: this loop runs once per sequence and step
+                    check_stop(group, item.seq, text)
+                except Exception as exc:  # noqa: BLE001 - the error belongs to this request only
+                    self.fail_group(group, f"generating the next token failed: {type(exc).__name__}: {exc}")
 
     def _new_texts(self, items: List[ScheduledSeq]) -> List[str]:
         """The text each sequence's new token adds ("" without detokenization); a decode that fails fails its

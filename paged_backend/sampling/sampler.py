@@ -8,9 +8,9 @@ independently: a row that fails (a processor raises, nothing finite is left) is 
 the other rows come out exactly as they would without it.
 
 Truncation and the draws are `kernels.sample_rows` (see kernels/sampling.py): no row is sorted, the
-draw's cumulative sum covers only the kept tokens, and a greedy row costs its argmax and one
-log-sum-exp (its token's log-probability is part of every output). Full log-softmax rows are computed
-only for the rows that ask for top logprobs or scores, and only over their kept tokens.
+draw's cumulative sum covers only the kept tokens. A batch of greedy rows that report no log-probabilities
+costs one pass of row maxima; a greedy row that reports them costs one log-sum-exp more. Full log-softmax
+rows are computed only for the rows that ask for top logprobs or scores, and only over their kept tokens.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def needs_processing(params: SamplingParams, blocked_ids: Tuple[int, ...], gramm
 class SampleBatch:
     """A step's draws as flat lists (row `i`'s draws are `tokens[offsets[i]:offsets[i + 1]]`) and the first draw
     of every row as a tensor (what the next step's input ids are filled from); the rows' optional extras by row.
-    A batch of greedy rows may leave its log-probabilities to `complete` (`deferred`: the logits they come from),
-    so that the tokens are ready one pass over the logits earlier."""
+    `logprobs` is None for a batch of plain greedy rows: none of them reports log-probabilities, so none was
+    computed."""
 
     tokens: List[int]
     logprobs: Optional[List[float]]
@@ -78,14 +78,6 @@ class SampleBatch:
     failures: Dict[int, str]
     top_logprobs: Dict[int, List[Dict[int, Logprob]]]    # rows that asked for logprobs
     scores: Dict[int, Tuple[torch.Tensor, torch.Tensor]]  # rows with output_scores: (processed scores, raw logits)
-    deferred: Optional[torch.Tensor] = None              # greedy rows' float32 logits, log-probabilities to come
-
-    def complete(self) -> None:
-        """The deferred log-probabilities of greedy rows: each token's logit minus its row's log-normaliser."""
-        if self.deferred is None:
-            return
-        logits, self.deferred = self.deferred, None
-        self.logprobs = greedy_logprobs(logits, self.first_tokens, kernels.greedy_rows(logits).log_norm)
 
     def result(self, i: int) -> "SampleResult":
         """Row `i` as a `SampleResult`."""
@@ -93,20 +85,16 @@ class SampleBatch:
             return SampleResult([], [], error=self.failures[i])
         start, end = self.offsets[i], self.offsets[i + 1]
         scores, logits = self.scores.get(i, (None, None))
-        return SampleResult(self.tokens[start:end], self.logprobs[start:end], self.top_logprobs.get(i), scores, logits)
+        logprobs = self.logprobs[start:end] if self.logprobs is not None else [0.0] * (end - start)
+        return SampleResult(self.tokens[start:end], logprobs, self.top_logprobs.get(i), scores, logits)
 
     def results(self) -> List["SampleResult"]:
-        self.complete()
         return [self.result(i) for i in range(len(self.offsets) - 1)]
 
 
-def greedy_logprobs(logits: torch.Tensor, tokens: torch.Tensor, log_norm: torch.Tensor) -> List[float]:
-    """Each row's token's log-probability, `x[token] - log_norm` in float64 (as `sample_rows` computes it)."""
-    return (logits.gather(1, tokens[:, None])[:, 0].double() - log_norm).tolist()
-
-
 def plain_greedy(requests: List[SampleRequest]) -> bool:
-    """Every row is greedy with one draw and nothing else to compute: no processing, logprobs or scores."""
+    """Every row is greedy with one draw and nothing else to compute: no processing, logprobs or scores (so no
+    row needs its log-normaliser: see `SamplingParams.reports_logprobs`)."""
     for r in requests:
         p = r.params
         if r.processed or r.num_samples != 1 or p.temperature >= 1e-6 or p.logprobs is not None or p.output_scores:
@@ -214,16 +202,15 @@ class Sampler:
         """One result per row (`sample_batch`, row by row)."""
         return self.sample_batch(logits, requests).results()
 
-    def sample_batch(self, logits: torch.Tensor, requests: List[SampleRequest],
-                     defer_logprobs: bool = False) -> SampleBatch:
+    def sample_batch(self, logits: torch.Tensor, requests: List[SampleRequest]) -> SampleBatch:
         """Every row's draws. A row that cannot be sampled (a processor or its grammar failed, or nothing
         finite is left to draw from) is in `failures` and draws nothing usable; every other row's tokens,
         log-probabilities and generator draws are exactly what they would be without that failure (each
         stage treats rows independently, every row draws its uniforms, and nothing is sampled twice).
-        A batch of plain greedy rows takes each row's first maximum in one batched call (`kernels.greedy_rows`);
-        with `defer_logprobs` their log-probabilities wait for `SampleBatch.complete`."""
+        A batch of plain greedy rows takes each row's first maximum in one batched call (`kernels.greedy_rows`),
+        without log-normalisers: no row reports a log-probability."""
         if requests and plain_greedy(requests):
-            return self._greedy_batch(logits.to(torch.float32), defer_logprobs)
+            return self._greedy_batch(logits.to(torch.float32))
         raw = logits.to(torch.float32)
         keep_raw = any(r.params.output_scores for r in requests)
         scores = raw.clone() if keep_raw else raw
@@ -251,18 +238,12 @@ class Sampler:
         return batch
 
     @staticmethod
-    def _greedy_batch(logits: torch.Tensor, defer_logprobs: bool) -> SampleBatch:
-        draws = kernels.greedy_rows(logits, with_norms=not defer_logprobs)
+    def _greedy_batch(logits: torch.Tensor) -> SampleBatch:
+        draws = kernels.greedy_rows(logits, with_norms=False)
         failures = {row: "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample"
                     for row in draws.failed_rows}
         first = draws.tokens.clamp(min=0) if failures else draws.tokens
-        rows = len(first)
-        batch = SampleBatch(first.tolist(), None, list(range(rows + 1)), first, failures, {}, {})
-        if defer_logprobs:
-            batch.deferred = logits
-        else:
-            batch.logprobs = greedy_logprobs(logits, first, draws.log_norm)
-        return batch
+        return SampleBatch(first.tolist(), None, list(range(len(first) + 1)), first, failures, {}, {})
 
     @staticmethod
     def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, Logprob]:

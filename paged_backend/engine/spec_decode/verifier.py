@@ -96,7 +96,6 @@ class DraftVerifier:
         error: Optional[BaseException] = None
         try:
             batch = self.tokens.sampler.sample_batch(logits, requests)
-            batch.complete()
         except Exception as exc:  # noqa: BLE001 - a batched stage failed: the speculating rows fail
             error = exc
         outcomes = {}
@@ -112,7 +111,9 @@ class DraftVerifier:
             drawn = [batch.tokens[batch.offsets[r]] for r in range(first, first + item.num_tokens)]
             n = outcomes[index] = num_accepted(item.seq.draft_token_ids, drawn)
             extras = batch.top_logprobs or batch.scores
-            self._append(item, drawn[:n + 1], lambda j, first=first: batch.logprobs[batch.offsets[first + j]],
+            logprobs = batch.logprobs
+            self._append(item, drawn[:n + 1],
+                         (lambda j, first=first: logprobs[batch.offsets[first + j]]) if logprobs is not None else None,
                          (lambda seq, j, first=first: self.tokens._keep_extras(seq, batch, first + j)) if extras
                          else None)
         return outcomes
@@ -132,9 +133,10 @@ class DraftVerifier:
         self._append(item, tokens, log_p.__getitem__, None)
         return len(tokens) - 1
 
-    def _append(self, item: ScheduledSeq, tokens: List[int], logprob_of: Callable[[int], float],
+    def _append(self, item: ScheduledSeq, tokens: List[int], logprob_of: Optional[Callable[[int], float]],
                 keep_extras: Optional[Callable[[Any, int], None]]) -> None:
-        """Append the accepted tokens one at a time, each checked against the stop conditions."""
+        """Append the accepted tokens one at a time, each checked against the stop conditions (`logprob_of` is
+        None when the draws carry no log-probabilities: plain greedy rows)."""
         group, seq = item.group, item.seq
         if group.error is not None or seq.is_finished():
             return   # it ended (aborted) since the step was launched: its tokens were computed in vain
@@ -143,7 +145,8 @@ class DraftVerifier:
         appended = 0
         for j, token in enumerate(tokens):
             seq.token_ids.append(token)
-            seq.cumulative_logprob += logprob_of(j)
+            if logprob_of is not None:
+                seq.cumulative_logprob += logprob_of(j)
             if keep_extras is not None:
                 keep_extras(seq, j)
             appended += 1
