@@ -82,9 +82,9 @@ class LaunchedStep:
 # Python's GIL switch interval while an overlapped worker lives. The worker thread takes the GIL to launch each of
 # the forward's operators (and the sampler's); at Python's default of 5 ms the main thread's processing of the
 # previous step (tokens, detokenization, outputs: Python) holds it off for up to that long, so the forward
-# waits for the host instead of hiding it. Measured with a stand-in device that busy-waits 25 ms, at 256
-# sequences (benchmarks/micro/host_overhead.py's steps, 2 cores): the overlapped step took D + 8.6 ms at 5 ms,
-# D + 4.7-5.0 at 0.2 and 0.1 ms; real CPU decoding of smollm2 at batch 1 and 8 was unchanged within its noise.
+# waits for the host instead of hiding it. Measured with a stand-in device of 25 ms at 256 sequences
+# (benchmarks/micro/host_overhead.py, 2 cores): the overlapped step took D + 8.6 ms at 5 ms, D + 4.7-5.0 at 0.2
+# and 0.1 ms; real CPU decoding of smollm2 at batch 1 and 8 was unchanged within its noise.
 OVERLAP_SWITCH_INTERVAL_S = 0.0002
 
 
