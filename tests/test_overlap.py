@@ -179,36 +179,3 @@ def test_our_attention_stays_the_models_while_any_engine_on_it_runs_a_step():
     assert model.config._attn_implementation == ours      # the second one's step is still running
     second_step.__exit__(None, None, None)
     assert model.config._attn_implementation == before
-
-
-def test_an_overlapped_worker_shortens_the_gil_switch_interval_while_it_lives(monkeypatch):
-    """The worker thread takes the GIL between the forward's operators; Python's 5 ms default would let the
-    host's processing of the previous step hold it off that long (docs/architecture.md). Lowered while a threaded
-    worker lives, restored after the last one; a lower value set by the user is kept; an inline worker leaves it."""
-    import sys
-
-    from paged_backend.engine.step_pipeline import OVERLAP_SWITCH_INTERVAL_S, StepWorker, _SwitchInterval
-
-    monkeypatch.setattr(_SwitchInterval, "_users", 0)   # engines other tests left open do not count here
-    monkeypatch.setattr(_SwitchInterval, "_saved", None)
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        inline = StepWorker(threaded=False)
-        assert sys.getswitchinterval() == pytest.approx(0.005)
-        first, second = StepWorker(threaded=True), StepWorker(threaded=True)
-        assert OVERLAP_SWITCH_INTERVAL_S < 0.005
-        assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL_S)
-        first.shutdown()
-        first.shutdown()   # twice: released once
-        assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL_S)
-        second.shutdown()
-        inline.shutdown()
-        assert sys.getswitchinterval() == pytest.approx(0.005)
-        sys.setswitchinterval(OVERLAP_SWITCH_INTERVAL_S / 2)
-        third = StepWorker(threaded=True)
-        assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL_S / 2)
-        third.shutdown()
-        assert sys.getswitchinterval() == pytest.approx(OVERLAP_SWITCH_INTERVAL_S / 2)
-    finally:
-        sys.setswitchinterval(before)

@@ -11,8 +11,6 @@ Without it a step runs inline, as soon as it is launched.
 from __future__ import annotations
 
 import concurrent.futures
-import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
@@ -79,42 +77,6 @@ class LaunchedStep:
         return None if result.batch is None else result.batch.first_tokens
 
 
-# Python's GIL switch interval while an overlapped worker lives. The worker thread takes the GIL to launch each of
-# the forward's operators (and the sampler's); at Python's default of 5 ms the main thread's processing of the
-# previous step (tokens, detokenization, outputs: Python) holds it off for up to that long, so the forward
-# waits for the host instead of hiding it. Measured with a stand-in device of 25 ms at 256 sequences
-# (benchmarks/micro/host_overhead.py, 2 cores): the overlapped step took D + 8.6 ms at 5 ms, D + 4.7-5.0 at 0.2
-# and 0.1 ms; real CPU decoding of smollm2 at batch 1 and 8 was unchanged within its noise.
-OVERLAP_SWITCH_INTERVAL_S = 0.0002
-
-
-class _SwitchInterval:
-    """Lowers `sys.setswitchinterval` to `OVERLAP_SWITCH_INTERVAL_S` while any threaded worker lives (a lower
-    value set by the user is kept) and restores the earlier value after the last one shuts down."""
-
-    _lock = threading.Lock()
-    _users = 0
-    _saved: Optional[float] = None
-
-    @classmethod
-    def acquire(cls) -> None:
-        with cls._lock:
-            if cls._users == 0:
-                current = sys.getswitchinterval()
-                cls._saved = current if current > OVERLAP_SWITCH_INTERVAL_S else None
-                if cls._saved is not None:
-                    sys.setswitchinterval(OVERLAP_SWITCH_INTERVAL_S)
-            cls._users += 1
-
-    @classmethod
-    def release(cls) -> None:
-        with cls._lock:
-            cls._users -= 1
-            if cls._users == 0 and cls._saved is not None:
-                sys.setswitchinterval(cls._saved)
-                cls._saved = None
-
-
 class StepWorker:
     """Runs step jobs in launch order: in one worker thread (overlapped scheduling) or inline."""
 
@@ -122,9 +84,6 @@ class StepWorker:
         self.threaded = threaded
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-forward") \
             if threaded else None
-        self._holds_interval = threaded
-        if threaded:
-            _SwitchInterval.acquire()
 
     def submit(self, job: Callable[[], StepResult]) -> concurrent.futures.Future:
         if self._executor is not None:
@@ -139,6 +98,3 @@ class StepWorker:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self._holds_interval:
-            self._holds_interval = False
-            _SwitchInterval.release()
