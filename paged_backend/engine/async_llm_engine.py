@@ -23,6 +23,7 @@ from paged_backend.engine.metrics import EngineStats
 from paged_backend.engine.outputs import RequestOutput
 from paged_backend.engine.request_intake import ValidatedRequest
 from paged_backend.sampling_params import SamplingParams
+from paged_backend.worker import compute_thread
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ class AsyncLLMEngine:
     def __init__(self, model: Union[str, torch.nn.Module] = "smollm2", tokenizer=None,
                  dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
                  **engine_options) -> None:
-        self._init(LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device, **engine_options))
+        # built on the compute thread, where its torch work runs (compute_thread.py)
+        self._init(compute_thread.run_on_compute_thread(LLMEngine, model, tokenizer=tokenizer, dtype=dtype,
+                                                        device=device, **engine_options))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "AsyncLLMEngine":
@@ -47,7 +50,10 @@ class AsyncLLMEngine:
         self._pending_adds: List[Tuple[str, ValidatedRequest]] = []
         self._pending_aborts: List[str] = []
         self._task: Optional[asyncio.Task] = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-step")
+        # an overlapped engine's step hands its forward to the compute thread, so it runs in a thread of its own;
+        # an engine without overlap runs the forward inside step(), so step() runs on the compute thread
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-step") \
+            if engine.overlapped else None
         self._ids = itertools.count()
         self._stats = engine.get_stats()
         self._closed = False
@@ -105,8 +111,8 @@ class AsyncLLMEngine:
         return self.engine.prepare_requests(prompts, params, lora_request, cache_salt)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read and check an adapter in a worker thread (`LLMEngine.add_lora`); False if already loaded."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora, lora_request)
+        """Read and check an adapter on the compute thread (`LLMEngine.add_lora`); False if already loaded."""
+        return await asyncio.wrap_future(compute_thread.submit(self.engine.add_lora, lora_request))
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         """`LLMEngine.remove_lora` (requests still running with the adapter finish with it)."""
@@ -221,7 +227,8 @@ class AsyncLLMEngine:
                     return
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await (loop.run_in_executor(self._executor, self.engine.step) if self._executor is not None
+                                 else asyncio.wrap_future(compute_thread.submit(self.engine.step)))
             except Exception as exc:  # noqa: BLE001 - per-request failures come back as outputs; this is fatal
                 self._die(exc)
                 return
@@ -253,5 +260,6 @@ class AsyncLLMEngine:
         for request_id in list(self._streams):
             await self.abort(request_id)
         await self.wait_idle()
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         self.engine.shutdown()

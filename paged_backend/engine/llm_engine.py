@@ -11,6 +11,7 @@ import torch
 from paged_backend import kernels
 from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
+from paged_backend.worker.compute_thread import run_on_compute_thread
 from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
 from paged_backend.config import EngineConfig, SpeculativeConfig
 from paged_backend.engine.detokenizer import stop_string_in_candidate
@@ -68,6 +69,11 @@ def _max_model_len(model) -> int:
     return 2048
 
 
+def _run_here(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` in the calling thread (an engine without overlap runs its torch work there)."""
+    return fn(*args, **kwargs)
+
+
 class LLMEngine(StepLoop):
     """The serving core: a scheduler and block manager over a paged KV cache and an HF model; its step loop is
     `StepLoop` (step_loop.py)."""
@@ -76,6 +82,12 @@ class LLMEngine(StepLoop):
                  dtype: Union[torch.dtype, str, None] = None, device: Union[str, torch.device] = "cpu",
                  trust_remote_code: bool = False, **engine_options) -> None:
         self.config = EngineConfig.from_kwargs(**engine_options)
+        # overlapped: the whole construction (loading, the runner and its cache, kernel checks) runs on the compute
+        # thread, as the steps' forwards will (compute_thread.py: one OpenMP team per process)
+        build = run_on_compute_thread if self.config.scheduler.async_scheduling else _run_here
+        build(self._build, model, tokenizer, dtype, device, trust_remote_code)
+
+    def _build(self, model, tokenizer, dtype, device, trust_remote_code) -> None:
         tensor_parallel = self.config.parallel.tensor_parallel_size > 1
         # Under tensor parallelism a named model is loaded on the CPU and only rank 0's shard moves to the device.
         self._model_name = None if isinstance(model, torch.nn.Module) else str(model)
@@ -449,6 +461,11 @@ class LLMEngine(StepLoop):
         if self.loras is None:
             raise ValueError("LoRA is not enabled: build the engine with enable_lora=True")
         return self.loras
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether steps overlap (`async_scheduling`): their forwards run on the compute thread."""
+        return self._worker.threaded
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism) and the KV cache; the engine is unusable afterwards."""

@@ -18,6 +18,7 @@ import torch
 
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceGroup
+from paged_backend.worker import compute_thread
 from paged_backend.engine.input_builder import TokenFill
 from paged_backend.engine.token_processor import StepRows
 from paged_backend.sampling.sampler import SampleBatch
@@ -78,16 +79,20 @@ class LaunchedStep:
 
 
 class StepWorker:
-    """Runs step jobs in launch order: in one worker thread (overlapped scheduling) or inline."""
+    """Runs step jobs in launch order: on the process's compute thread (overlapped scheduling; compute_thread.py
+    says why one thread for all torch work) or inline."""
 
     def __init__(self, threaded: bool) -> None:
         self.threaded = threaded
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-forward") \
-            if threaded else None
+        self._last: Optional[concurrent.futures.Future] = None
+        self._closed = False
 
     def submit(self, job: Callable[[], StepResult]) -> concurrent.futures.Future:
-        if self._executor is not None:
-            return self._executor.submit(job)
+        if self._closed:
+            raise RuntimeError("the engine's step worker is shut down")
+        if self.threaded:
+            self._last = compute_thread.submit(job)
+            return self._last
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             future.set_result(job())
@@ -96,5 +101,8 @@ class StepWorker:
         return future
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        """Take no more steps; wait for the last one submitted (the compute thread stays for other engines)."""
+        self._closed = True
+        last, self._last = self._last, None
+        if last is not None:
+            concurrent.futures.wait([last])
