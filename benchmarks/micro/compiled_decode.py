@@ -104,7 +104,9 @@ def run_dtype(config: CompiledDecodeConfig, dtype: str, bandwidth: Dict[str, flo
     if config.fill_cache_first:
         timed_start(config.model, dtype, inductor_cache_dir(), num_blocks)   # fills the cache if it is empty
     starts["later"] = timed_start(config.model, dtype, inductor_cache_dir(), num_blocks)
-    model, _ = load_bench_model(config.model, dtype=getattr(torch, dtype))
+    from paged_backend.worker.compute_thread import run_on_compute_thread
+
+    model, _ = run_on_compute_thread(load_bench_model, config.model, dtype=getattr(torch, dtype))
     engines = {"eager": LLMEngine(model, num_blocks=num_blocks),
                "compiled": LLMEngine(model, num_blocks=num_blocks, compile="blocking")}
     prompt = [100 + i for i in range(config.prompt_tokens)]
@@ -125,8 +127,11 @@ def run_dtype(config: CompiledDecodeConfig, dtype: str, bandwidth: Dict[str, flo
 
 
 def run_compiled_decode(config: CompiledDecodeConfig) -> dict:
+    from paged_backend.worker.compute_thread import run_on_compute_thread
+
     threads = set_threads(config.threads)
-    bandwidth = memory_bandwidth(config.bandwidth_mib)
+    # torch work on the compute thread, as the engines' own (compute_thread.py: one OpenMP team per process)
+    bandwidth = run_on_compute_thread(memory_bandwidth, config.bandwidth_mib)
     rows = []
     for dtype in config.dtypes:
         rows.append(run_dtype(config, dtype, bandwidth))
