@@ -123,7 +123,14 @@ def _bring_to_decode(engine: LLMEngine, prompts: List[List[int]], max_tokens: in
 
 def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Optional[bool], device_ms: float,
                timer: Optional[ExclusiveTimer] = None) -> dict:
-    """Median and spread of `host_steps` decode steps' wall times, on a fresh engine with a stand-in runner."""
+    """Median and spread of `host_steps` decode steps' wall times, on a fresh engine with a stand-in runner. An
+    engine without overlap runs on the compute thread, as `AsyncLLMEngine` runs one (so the process keeps one
+    OpenMP team: compute_thread.py); an overlapped one is stepped from here and runs its forwards there."""
+    if not overlap:
+        from paged_backend.worker.compute_thread import on_compute_thread, run_on_compute_thread
+
+        if not on_compute_thread():
+            return run_on_compute_thread(time_steps, model, tokenizer, prompts, config, overlap, device_ms, timer)
     engine = _engine(model, tokenizer, len(prompts), config, overlap, device_ms)
     try:
         _bring_to_decode(engine, prompts, config.host_steps + 8)
@@ -193,10 +200,15 @@ def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
            "phase_calls": {name: timer.calls[name] for name in HOST_PHASES if name != "other"},
            "device_ms": config.device_ms,
            "sleep_sync": time_steps(model, tokenizer, prompts, config, off, config.device_ms)}
+    from paged_backend.worker.compute_thread import run_on_compute_thread
+
     vocab = engine_vocab(model, tokenizer)
-    row["logits_pass"] = time_logits_pass(vocab, len(prompts), steps, with_norms=PASS_WITH_NORMS)
+    # the pass where the engine makes it: on the compute thread (overlapped engines' forwards and draws)
+    row["logits_pass"] = run_on_compute_thread(time_logits_pass, vocab, len(prompts), steps,
+                                               with_norms=PASS_WITH_NORMS)
     if overlap:   # what the worker does after each forward when overlapped: the argmax alone, after idling
-        row["argmax_after_idle"] = time_logits_pass(vocab, len(prompts), steps, config.device_ms, with_norms=False)
+        row["argmax_after_idle"] = run_on_compute_thread(time_logits_pass, vocab, len(prompts), steps,
+                                                         config.device_ms, with_norms=False)
         row["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
         row["sleep_overlap"] = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
     return row
@@ -245,8 +257,11 @@ def run_host_overhead(config: HostOverheadConfig) -> dict:
     from paged_backend.benchmarks.micro.overhead import _prompts
     from paged_backend.benchmarks.paper.engine_runs import load_bench_model, set_threads
 
+    from paged_backend.worker.compute_thread import run_on_compute_thread
+
     threads = set_threads(config.threads)
-    model, tokenizer = load_bench_model(config.model)
+    # torch work on the compute thread, as an engine loading a named model does (compute_thread.py)
+    model, tokenizer = run_on_compute_thread(load_bench_model, config.model)
     host = [measure_host(model, tokenizer, _prompts(tokenizer, batch, config.prompt_len, config.seed), config)
             for batch in config.batch_sizes]
     return {"benchmark": "host-overhead", "config": asdict(config), "conditions": {"threads": threads},
