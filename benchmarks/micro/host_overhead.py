@@ -185,40 +185,59 @@ class _Rows:
         return range(self.count)
 
 
+def _repeated(runs: List[dict]) -> dict:
+    """Interleaved repetitions of one measurement: the median of their medians, and their range."""
+    medians = [r["median_ms"] for r in runs]
+    return {"median_ms": statistics.median(medians), "min_ms": min(medians), "max_ms": max(medians),
+            "repetitions": runs, "running": runs[0].get("running")}
+
+
+def measure_once(model, tokenizer, prompts: List[List[int]], config, overlap: bool) -> Dict[str, dict]:
+    """One repetition of every timed measurement of a batch size (the logits pass where the engine makes it: on
+    the compute thread)."""
+    from paged_backend.worker.compute_thread import run_on_compute_thread
+
+    off = False if overlap else None
+    vocab, rows, steps = engine_vocab(model, tokenizer), len(prompts), config.host_steps
+    out = {"ready_sync": time_steps(model, tokenizer, prompts, config, off, 0.0),
+           "sleep_sync": time_steps(model, tokenizer, prompts, config, off, config.device_ms),
+           "logits_pass": run_on_compute_thread(time_logits_pass, vocab, rows, steps, with_norms=PASS_WITH_NORMS)}
+    if overlap:   # what the worker does after each forward when overlapped: the argmax alone, after idling
+        out["argmax_after_idle"] = run_on_compute_thread(time_logits_pass, vocab, rows, steps, config.device_ms,
+                                                         with_norms=False)
+        out["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
+        out["sleep_overlap"] = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
+    return out
+
+
 def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
     """One batch size: the ready-logits step (with its phases) and the sleeping-runner step, without and with
-    overlapped scheduling (the latter only when the engine has it)."""
+    overlapped scheduling (the latter only when the engine has it), each `repetitions` times interleaved."""
     overlap = has_overlap()
     off = False if overlap else None
-    ready = time_steps(model, tokenizer, prompts, config, off, 0.0)
+    runs = [measure_once(model, tokenizer, prompts, config, overlap) for _ in range(config.repetitions)]
+    timed = {key: _repeated([run[key] for run in runs]) for key in runs[0]}
+    ready = timed["ready_sync"]
     timer = ExclusiveTimer()   # the phases on a run of their own, so that the wrapping does not touch `ready`
     phased = time_steps(model, tokenizer, prompts, config, off, 0.0, timer)
     steps = config.host_steps
     phases = {name: 1000 * timer.seconds[name] / steps for name in HOST_PHASES if name != "other"}
     phases["other"] = max(0.0, phased["mean_ms"] - sum(phases.values()))   # phases are means over the timed steps
-    row = {"batch": len(prompts), "running": ready["running"], "ready_sync": ready, "host_phase_ms": phases,
-           "phase_calls": {name: timer.calls[name] for name in HOST_PHASES if name != "other"},
-           "device_ms": config.device_ms,
-           "sleep_sync": time_steps(model, tokenizer, prompts, config, off, config.device_ms)}
-    from paged_backend.worker.compute_thread import run_on_compute_thread
-
-    vocab = engine_vocab(model, tokenizer)
-    # the pass where the engine makes it: on the compute thread (overlapped engines' forwards and draws)
-    row["logits_pass"] = run_on_compute_thread(time_logits_pass, vocab, len(prompts), steps,
-                                               with_norms=PASS_WITH_NORMS)
-    if overlap:   # what the worker does after each forward when overlapped: the argmax alone, after idling
-        row["argmax_after_idle"] = run_on_compute_thread(time_logits_pass, vocab, len(prompts), steps,
-                                                         config.device_ms, with_norms=False)
-        row["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
-        row["sleep_overlap"] = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
-    return row
+    return {"batch": len(prompts), "running": ready["running"], "host_phase_ms": phases,
+            "phase_calls": {name: timer.calls[name] for name in HOST_PHASES if name != "other"},
+            "device_ms": config.device_ms, **timed}
 
 
 def host_table(rows: List[dict], config: dict) -> List[List[str]]:
     """Rows of the host-time table: per batch size, the ready-logits step and the sleeping step, both ways."""
     def cell(row: dict, key: str, minus: float = 0.0) -> str:
         value = row.get(key)
-        return "-" if value is None else f"{value['median_ms'] - minus:.2f}"
+        if value is None:
+            return "-"
+        text = f"{value['median_ms'] - minus:.2f}"
+        if "repetitions" in value and len(value["repetitions"]) > 1:   # records before repetitions: one run
+            text += f" ({value['min_ms'] - minus:.2f}-{value['max_ms'] - minus:.2f})"
+        return text
 
     out = []
     for r in rows:
@@ -249,7 +268,8 @@ class HostOverheadConfig:
     block_size: int = 16
     seed: int = 0
     threads: Optional[int] = None
-    host_steps: int = 30            # decode steps timed per measurement (median reported)
+    host_steps: int = 30            # decode steps timed per measurement (their median is its figure)
+    repetitions: int = 3            # interleaved repetitions of every measurement (median and range reported)
     device_ms: float = 25.0         # the sleeping runner's time per forward
 
 
@@ -279,6 +299,12 @@ def check_host_overhead(result: dict) -> List[str]:
     return problems
 
 
+def _repetitions_text(config: dict) -> str:
+    """How the figures repeat (records before repetitions ran each measurement once)."""
+    reps = config.get("repetitions", 1)
+    return f"; median (range) of {reps} interleaved repetitions" if reps > 1 else ""
+
+
 def _pass_what(result: dict) -> str:
     """What the recorded logits pass computed (records before the change have no `pass_with_norms`: both)."""
     if result.get("pass_with_norms", True):
@@ -292,7 +318,8 @@ def host_overhead_table(result: dict) -> str:
     steps = format_table(
         host_headers(d), host_table(result["host"], c),
         f"The engine alone ({c['model']}'s tokenizer, greedy, {c['prompt_len']}-token prompts, median of "
-        f"{c['host_steps']} decode steps, {result['conditions'].get('torch_threads')} threads): a runner that "
+        f"{c['host_steps']} decode steps{_repetitions_text(c)}, {result['conditions'].get('torch_threads')} threads): "
+        f"a runner that "
         f"returns ready logits, and one that sleeps D ms per forward (step time minus D); without and with "
         f"overlapped scheduling{'' if result.get('overlap') else ' (this engine has none: -)'}. Logits pass: the "
         f"sampler's one pass over the step's logits ({_pass_what(result)}), alone, back to back (the logits stay in "
@@ -307,5 +334,6 @@ def host_overhead_table(result: dict) -> str:
 
 SPEC = BenchmarkSpec("host-overhead", HostOverheadConfig, run_host_overhead, check_host_overhead,
                      host_overhead_table, "",
-                     {"quick": {"model": "tiny-llama", "batch_sizes": (1, 8), "host_steps": 4, "device_ms": 5.0},
+                     {"quick": {"model": "tiny-llama", "batch_sizes": (1, 8), "host_steps": 4, "device_ms": 5.0,
+                                "repetitions": 1},
                       "full": {}}, documented_size="full")
