@@ -69,11 +69,6 @@ def _max_model_len(model) -> int:
     return 2048
 
 
-def _run_here(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` in the calling thread (an engine without overlap runs its torch work there)."""
-    return fn(*args, **kwargs)
-
-
 class LLMEngine(StepLoop):
     """The serving core: a scheduler and block manager over a paged KV cache and an HF model; its step loop is
     `StepLoop` (step_loop.py)."""
@@ -84,8 +79,10 @@ class LLMEngine(StepLoop):
         self.config = EngineConfig.from_kwargs(**engine_options)
         # overlapped: the whole construction (loading, the runner and its cache, kernel checks) runs on the compute
         # thread, as the steps' forwards will (compute_thread.py: one OpenMP team per process)
-        build = run_on_compute_thread if self.config.scheduler.async_scheduling else _run_here
-        build(self._build, model, tokenizer, dtype, device, trust_remote_code)
+        if self.config.scheduler.async_scheduling:
+            run_on_compute_thread(self._build, model, tokenizer, dtype, device, trust_remote_code)
+        else:   # without overlap the steps run in the caller's thread: so does everything else
+            self._build(model, tokenizer, dtype, device, trust_remote_code)
 
     def _build(self, model, tokenizer, dtype, device, trust_remote_code) -> None:
         tensor_parallel = self.config.parallel.tensor_parallel_size > 1
