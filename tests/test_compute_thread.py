@@ -109,3 +109,28 @@ def test_a_job_runs_with_the_callers_torch_thread_count():
             assert compute_thread.submit(torch.get_num_threads).result() == count
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_overlapped_engine_stepped_from_the_compute_thread_runs_its_steps_inline():
+    """A step submitted to the compute thread from the compute thread would wait behind itself forever: there the
+    engine runs its steps inline (in a subprocess, so that a regression hangs only it)."""
+    import subprocess
+    import sys
+
+    script = (
+        "from conftest import get_model\n"
+        "from paged_backend import LLM, SamplingParams\n"
+        "from paged_backend.worker.compute_thread import run_on_compute_thread\n"
+        "def run():\n"
+        "    model, tok = get_model('tiny-llama')\n"
+        "    llm = LLM(model, tokenizer=tok, num_blocks=32, async_scheduling=True)\n"
+        "    out = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)\n"
+        "    return len(out[0].outputs[0].token_ids)\n"
+        "print('tokens', run_on_compute_thread(run))\n")
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", script], cwd=here, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens 4" in done.stdout

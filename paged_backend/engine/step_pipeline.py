@@ -90,7 +90,7 @@ class StepWorker:
     def submit(self, job: Callable[[], StepResult]) -> concurrent.futures.Future:
         if self._closed:
             raise RuntimeError("the engine's step worker is shut down")
-        if self.threaded:
+        if self.threaded and not compute_thread.on_compute_thread():   # from there it would wait behind itself
             self._last = compute_thread.submit(job)
             return self._last
         future: concurrent.futures.Future = concurrent.futures.Future()
