@@ -92,9 +92,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 
 def plan_attention(key_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                   query_start_loc: torch.Tensor, sliding_window: Optional[int] = None) -> Optional[Plan]:
+                   query_start_loc: torch.Tensor, sliding_window: Optional[int] = None,
+                   slot_mapping: Optional[torch.Tensor] = None) -> Optional[Plan]:
     """The per-step plan of the implementation that serves `key_cache` (None for Triton, which needs none);
-    shared by every layer of the step with the same sliding window."""
+    shared by every layer of the step with the same sliding window. With the step's `slot_mapping` the C++
+    plan also checks the slots once, for `attend_and_cache`."""
     impl = _impl(key_cache)
     num_blocks, block_size = key_cache.shape[:2]
     if impl is not cpu and block_tables.device.type == "cpu":  # the C++ plan checks its reads itself; on a GPU
@@ -103,7 +105,7 @@ def plan_attention(key_cache: torch.Tensor, block_tables: torch.Tensor, context_
                                     sliding_window)
     if impl is cpu:
         return cpu.plan_paged_attention(block_tables, context_lens, query_start_loc, block_size, num_blocks,
-                                        sliding_window)
+                                        sliding_window, slot_mapping)
     if impl is reference:
         return reference.plan_paged_attention(block_tables, context_lens, query_start_loc, block_size, sliding_window)
     return None
@@ -125,6 +127,26 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                     query_start_loc, scale, out=out, plan=plan, **variant)
     return impl.paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                                 scale, out=out, **variant)
+
+
+def attend_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                     plan: Optional[Plan] = None, sliding_window: Optional[int] = None,
+                     softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """One attention layer of a step: `reshape_and_cache` of the new K/V, then `paged_attention`; through the
+    C++ kernel one call per layer (its plan, built with the slot_mapping, checked the step once)."""
+    if isinstance(plan, cpu.CpuPlan) and plan.slot_mapping is not None:   # built by the C++ path for this step
+        if plan.sliding_window != sliding_window:
+            raise ValueError(f"the plan was built for sliding_window={plan.sliding_window}, "
+                             f"this call has sliding_window={sliding_window}")
+        return cpu.attend_and_cache(query, key, value, key_cache, value_cache, plan, scale, softcap, sinks,
+                                    k_scale, v_scale)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return paged_attention(query.contiguous(), key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                           scale, plan=plan, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],

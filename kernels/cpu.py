@@ -11,8 +11,8 @@ read outside the cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -42,11 +42,15 @@ class CpuPlan:
     block_size: int
     num_query_rows: int
     sliding_window: Optional[int] = None
+    slot_mapping: Optional[torch.Tensor] = None   # int64 cache slot of each new token (attend_and_cache writes)
+    bound: Dict[tuple, "StepArgs"] = field(default_factory=dict)   # by cache geometry and query dtype
 
 
 def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                         block_size: int, num_blocks: int, sliding_window: Optional[int] = None) -> CpuPlan:
-    """Convert and validate the step's metadata once (ValueError on anything the kernel cannot read)."""
+                         block_size: int, num_blocks: int, sliding_window: Optional[int] = None,
+                         slot_mapping: Optional[torch.Tensor] = None) -> CpuPlan:
+    """Convert and validate the step's metadata once (ValueError on anything the kernel cannot read or write:
+    `slot_mapping`, when given, must hold one slot of the cache per new token)."""
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     starts = query_start_loc.to(torch.int64).contiguous()
@@ -60,7 +64,15 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
         if int(starts[0]) != 0 or bool((q_lens < 0).any()):
             raise ValueError("query_start_loc must start at 0 and never decrease")
         check_block_reads(tables, lens, starts, block_size, num_blocks, sliding_window)
-    return CpuPlan(tables, lens, starts, num_blocks, block_size, int(starts[-1]), sliding_window)
+    num_rows = int(starts[-1]) if num_seqs else 0
+    slots = None
+    if slot_mapping is not None:
+        slots = slot_mapping.to(torch.int64).contiguous()
+        if slots.shape != (num_rows,):
+            raise ValueError(f"slot_mapping must hold one slot per new token ({num_rows}), got {tuple(slots.shape)}")
+        if num_rows and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * block_size):
+            raise ValueError(f"slot_mapping holds a slot outside the cache of {num_blocks * block_size} slots")
+    return CpuPlan(tables, lens, starts, num_blocks, block_size, num_rows, sliding_window, slots)
 
 
 def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -135,3 +147,98 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if not direct:
         out.copy_(result)
     return out
+
+
+# attend_and_cache's step array, in the order of cpu_attention.cpp's StepField.
+STEP_FIELDS = ("tables", "table_width", "context_lens", "query_start", "num_seqs", "heads", "kv_heads", "head_size",
+               "block_size", "cache_type", "key_stride_block", "key_stride_slot", "key_stride_head",
+               "value_stride_block", "value_stride_slot", "value_stride_head", "slots", "num_tokens", "elem_bytes",
+               "window", "threads")
+
+
+@dataclass
+class StepArgs:
+    """A plan bound to one layout of a layer's inputs (cache geometry, query and K/V shapes, dtypes and strides,
+    fp8 scales): the step's int64 argument array, the kernel function, and what the checks decided."""
+
+    array: torch.Tensor
+    function: object          # the library's attend_and_cache_f32 / _f64
+    acc_dtype: torch.dtype
+    copies: bool              # the kernel writes the new K/V rows (same dtype as the cache, no scale)
+
+
+def _layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple:
+    """Everything the checks of a layer's call depend on (one layer's caches differ from another's only in their
+    data): calls with an equal layout reuse the checks and the bound arguments."""
+    return (query.shape, query.dtype, key.shape, key.stride(), key.dtype, value.shape, value.stride(), value.dtype,
+            key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device, value_cache.shape,
+            value_cache.stride(), value_cache.dtype, value_cache.device, k_scale, v_scale)
+
+
+def _bind_step(plan: CpuPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, k_scale: float, v_scale: float) -> StepArgs:
+    """Check a layout once per step and pack the kernel's step array for it."""
+    library = load_library("cpu_attention")
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is not available: {build_error('cpu_attention')}")
+    if plan.slot_mapping is None:
+        raise ValueError("attend_and_cache needs a plan built with the step's slot_mapping")
+    _check_inputs(query, key_cache, value_cache, None)
+    check_scales(k_scale, v_scale)
+    if plan.block_size != key_cache.shape[1] or plan.num_blocks != key_cache.shape[0]:
+        raise ValueError("the plan was built for a cache of another shape")
+    rows = (plan.num_query_rows, key_cache.shape[2], key_cache.shape[3])
+    if query.shape[0] != plan.num_query_rows:
+        raise ValueError(f"the query has {query.shape[0]} rows, the step's plan {plan.num_query_rows}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tuple(tensor.shape) != rows:
+            raise ValueError(f"{name} must be {list(rows)} (new tokens, KV heads, head size), got {tuple(tensor.shape)}")
+    copies = (key.dtype == value.dtype == key_cache.dtype and k_scale == 1.0 and v_scale == 1.0
+              and key.stride(-1) == 1 and value.stride(-1) == 1 and key.device.type == value.device.type == "cpu")
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    values = {"tables": plan.block_tables.data_ptr(), "table_width": plan.block_tables.shape[1],
+              "context_lens": plan.context_lens.data_ptr(), "query_start": plan.query_start_loc.data_ptr(),
+              "num_seqs": plan.context_lens.shape[0], "heads": query.shape[1], "kv_heads": key_cache.shape[2],
+              "head_size": query.shape[2], "block_size": key_cache.shape[1], "cache_type": CACHE_TYPES[key_cache.dtype],
+              "slots": plan.slot_mapping.data_ptr(), "num_tokens": plan.num_query_rows,
+              "elem_bytes": key_cache.element_size(), "window": int(plan.sliding_window or 0),
+              "threads": torch.get_num_threads()}
+    for prefix, cache in (("key", key_cache), ("value", value_cache)):
+        for name, stride in zip(("block", "slot", "head"), cache.stride()[:3]):
+            values[f"{prefix}_stride_{name}"] = stride
+    array = torch.tensor([values[name] for name in STEP_FIELDS], dtype=torch.int64)
+    function = library.attend_and_cache_f64 if acc_dtype == torch.float64 else library.attend_and_cache_f32
+    return StepArgs(array, function, acc_dtype, copies)
+
+
+def attend_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, plan: CpuPlan, scale: float, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """One attention layer of a step in one kernel call: the new `key`/`value` rows `[num_tokens, kv_heads,
+    head_size]` written into the plan's slots, then `paged_attention` over the cache. The step's metadata was
+    checked once by the plan (built with its slot_mapping), each layout of a layer's inputs once per step
+    (`_layout`); a call checks only its soft-cap and sinks. Rows of another dtype than the cache's (or with fp8
+    scales) are written by the PyTorch code (kv_quant), the kernel writes the rest as byte copies."""
+    layout = _layout(query, key, value, key_cache, value_cache, k_scale, v_scale)
+    step = plan.bound.get(layout)
+    if step is None:
+        step = plan.bound[layout] = _bind_step(plan, query, key, value, key_cache, value_cache, k_scale, v_scale)
+    if softcap is not None or sinks is not None:
+        check_attention_variant(query.shape[1], query.device, None, softcap, sinks)
+    if not step.copies:
+        from .reference import reshape_and_cache
+
+        reshape_and_cache(key, value, key_cache, value_cache, plan.slot_mapping, k_scale, v_scale)
+    q = query.to(step.acc_dtype).contiguous()
+    out = torch.empty_like(q)
+    if q.shape[0]:
+        sink_logits = None if sinks is None else sinks.to(step.acc_dtype).contiguous()
+        status = step.function(
+            step.array.data_ptr(), q.data_ptr(), out.data_ptr(), key.data_ptr() if step.copies else None,
+            value.data_ptr() if step.copies else None, key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), scale * k_scale, v_scale,
+            softcap or 0.0, None if sink_logits is None else sink_logits.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"the CPU attention kernel failed with status {status}")
+    return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -420,7 +420,9 @@ void run(const Params<Acc>& p, int64_t num_seqs, int64_t num_threads) {
   const int64_t total = int64_t(items.size());
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && total > 1)
   {
-    Scratch<Acc> scratch;
+    // per thread and kept between calls: a decode step calls the kernel once per layer, and allocating the
+    // scratch vectors each time cost as much as attending over a short context
+    static thread_local Scratch<Acc> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < total; ++i) attend_item<Acc, Type>(p, items[i], scratch);
   }
@@ -451,6 +453,46 @@ int paged_attention(const void* query, void* out, const void* key_cache, const v
                 block_tables, table_width, context_lens, query_start, num_heads, num_kv_heads, head_size,
                 block_size, Acc(scale), Acc(v_scale), sliding_window, Acc(softcap), static_cast<const Acc*>(sinks)};
   return dispatch<Acc>(p, cache_type, num_seqs, num_threads);
+}
+
+// The per-step arguments of attend_and_cache, packed once per step by kernels/cpu.py (StepArgs) as int64.
+enum StepField : int64_t {
+  kTables = 0, kTableWidth, kContextLens, kQueryStart, kNumSeqs, kHeads, kKvHeads, kHeadSize, kBlockSize, kCacheType,
+  kKeyStrides, kValueStrides = kKeyStrides + 3, kSlots = kValueStrides + 3, kNumTokens, kElemBytes, kWindow, kThreads,
+  kStepFields
+};
+
+// Byte copies of the step's new K or V rows ([num_tokens, kv_heads, head_size], last dim contiguous, strides in
+// elements) into their cache slots; the caller checked the dtype (the cache's), the scales (none) and the slots.
+void write_rows(const int64_t* step, const void* rows, int64_t token_stride, int64_t head_stride, void* cache,
+                const int64_t* cache_strides) {
+  const int64_t* slots = reinterpret_cast<const int64_t*>(step[kSlots]);
+  const int64_t bytes = step[kElemBytes], row_bytes = step[kHeadSize] * bytes, block_size = step[kBlockSize];
+  const char* src = static_cast<const char*>(rows);
+  char* dst = static_cast<char*>(cache);
+  for (int64_t t = 0; t < step[kNumTokens]; ++t) {
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    for (int64_t h = 0; h < step[kKvHeads]; ++h)
+      std::memcpy(dst + (block * cache_strides[0] + offset * cache_strides[1] + h * cache_strides[2]) * bytes,
+                  src + (t * token_stride + h * head_stride) * bytes, row_bytes);
+  }
+}
+
+template <typename Acc>
+int attend_and_cache(const int64_t* step, const void* query, void* out, const void* new_key, const void* new_value,
+                     int64_t key_token_stride, int64_t key_head_stride, int64_t value_token_stride,
+                     int64_t value_head_stride, void* key_cache, void* value_cache, double scale, double v_scale,
+                     double softcap, const void* sinks) {
+  if (new_key != nullptr) {
+    write_rows(step, new_key, key_token_stride, key_head_stride, key_cache, step + kKeyStrides);
+    write_rows(step, new_value, value_token_stride, value_head_stride, value_cache, step + kValueStrides);
+  }
+  return paged_attention<Acc>(query, out, key_cache, value_cache, step + kKeyStrides, step + kValueStrides,
+                              reinterpret_cast<const int64_t*>(step[kTables]), step[kTableWidth],
+                              reinterpret_cast<const int64_t*>(step[kContextLens]),
+                              reinterpret_cast<const int64_t*>(step[kQueryStart]), step[kNumSeqs], step[kHeads],
+                              step[kKvHeads], step[kHeadSize], step[kBlockSize], step[kCacheType], scale, v_scale,
+                              step[kWindow], softcap, sinks, step[kThreads]);
 }
 
 }  // namespace
@@ -484,5 +526,27 @@ int paged_attention_f64(const void* query, void* out, const void* key_cache, con
                                  head_size, block_size, cache_type, scale, v_scale, sliding_window, softcap, sinks,
                                  num_threads);
 }
+
+// One attention layer of a step in one call: the new K/V rows written into their slots (skipped when new_key is
+// null: the caller wrote them), then paged attention as above. `step` is the StepField array; returns as above.
+int attend_and_cache_f32(const int64_t* step, const void* query, void* out, const void* new_key,
+                         const void* new_value, int64_t key_token_stride, int64_t key_head_stride,
+                         int64_t value_token_stride, int64_t value_head_stride, void* key_cache, void* value_cache,
+                         double scale, double v_scale, double softcap, const void* sinks) {
+  return attend_and_cache<float>(step, query, out, new_key, new_value, key_token_stride, key_head_stride,
+                                 value_token_stride, value_head_stride, key_cache, value_cache, scale, v_scale,
+                                 softcap, sinks);
+}
+
+int attend_and_cache_f64(const int64_t* step, const void* query, void* out, const void* new_key,
+                         const void* new_value, int64_t key_token_stride, int64_t key_head_stride,
+                         int64_t value_token_stride, int64_t value_head_stride, void* key_cache, void* value_cache,
+                         double scale, double v_scale, double softcap, const void* sinks) {
+  return attend_and_cache<double>(step, query, out, new_key, new_value, key_token_stride, key_head_stride,
+                                  value_token_stride, value_head_stride, key_cache, value_cache, scale, v_scale,
+                                  softcap, sinks);
+}
+
+int64_t step_fields() { return kStepFields; }
 
 }  // extern "C"

@@ -43,7 +43,12 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
     "cpu_attention": {name: (ctypes.c_int, [_p, _p, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
                                             _i64, _f64, _f64, _i64, _f64, _p, _i64])
                       for name in ("paged_attention_f32", "paged_attention_f64")}
-                     | {"vector_bytes": (ctypes.c_int64, [])},   # the build's vector width (cpu_features.py)
+                     # (step fields, query, out, new_key, new_value, key token/head strides, value token/head
+                     #  strides, key_cache, value_cache, scale, v_scale, softcap, sinks)
+                     | {name: (ctypes.c_int, [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _f64, _f64, _f64, _p])
+                        for name in ("attend_and_cache_f32", "attend_and_cache_f64")}
+                     | {"step_fields": (ctypes.c_int64, []),      # the length of attend_and_cache's step array
+                        "vector_bytes": (ctypes.c_int64, [])},   # the build's vector width (cpu_features.py)
     # (logits, row_stride, num_rows, vocab, top_k, top_p, min_p, greedy, uniforms, draw_offsets, tokens,
     #  logprobs, kept, log_norm, num_threads)
     "cpu_sampler": {"sample_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p,

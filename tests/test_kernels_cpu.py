@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernel_inputs import BASE_SEED, case_seed, make_paged_inputs, nan_like, variant_kwargs
+from paged_backend import kernels
 from paged_backend.kernels import cpu, reference
 
 
@@ -152,8 +153,8 @@ def test_engine_through_the_cpu_kernel_equals_the_pytorch_path(model, monkeypatc
     beams = SamplingParams(beam_width=2, temperature=0, max_tokens=4, ignore_eos=True)
     outputs = {}
     calls = []
-    original = cpu.paged_attention
-    monkeypatch.setattr(cpu, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = cpu.attend_and_cache     # the engine's path: one call per layer, cache write included
+    monkeypatch.setattr(cpu, "attend_and_cache", lambda *a, **k: calls.append(1) or original(*a, **k))
     for backend in ("cpp", "torch"):
         monkeypatch.setenv("PAGED_BACKEND_KERNELS", backend)
         llm = LLM(llm_model, tokenizer=tok, num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=4)
@@ -165,3 +166,90 @@ def test_engine_through_the_cpu_kernel_equals_the_pytorch_path(model, monkeypatc
             calls.clear()
     assert not calls
     assert outputs["cpp"] == outputs["torch"]
+
+
+def _new_rows(inputs, cache):
+    """The step's slots (the last query_lens tokens of each sequence) and the K or V rows held there, as a
+    transposed view like the ones transformers' attention layers hand over ([kv_heads, T, D] memory)."""
+    block_size = cache.shape[1]
+    slots = []
+    starts, lens = inputs.query_start_loc.tolist(), inputs.context_lens.tolist()
+    for s, length in enumerate(lens):
+        for pos in range(length - (starts[s + 1] - starts[s]), length):
+            slots.append(int(inputs.block_tables[s, pos // block_size]) * block_size + pos % block_size)
+    slots = torch.tensor(slots, dtype=torch.int64)
+    rows = cache.flatten(0, 1)[slots]
+    return slots, rows.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize("variant", ["plain", "all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp64", "fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], VARIANT_CASES[5][:6]], ids=["mixed", "block1", "tiles"])
+def test_attend_and_cache_writes_the_new_rows_then_equals_paged_attention(case, dtype, variant):
+    """One call per layer (the engine's path): the new K/V rows, handed over as strided views, land in their
+    slots bit for bit, and the output is paged_attention's over the filled cache, bit for bit."""
+    heads, kv_heads, head_size, block_size, ctx, qlens = case
+    seed = case_seed("cpu-attend-and-cache", case, str(dtype), variant)
+    kwargs = variant_kwargs(variant, seed, heads, dtype, 9)
+    inputs = make_paged_inputs(seed, dtype, heads, kv_heads, head_size, block_size, ctx, qlens,
+                               sliding_window=kwargs.get("sliding_window"))
+    query, kc, vc, tables, lens, starts, scale = inputs.args()
+    slots, new_k = _new_rows(inputs, kc)
+    _, new_v = _new_rows(inputs, vc)
+    want = cpu.paged_attention(query, kc, vc, tables, lens, starts, scale, **kwargs)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2.flatten(0, 1)[slots] = 7.0          # stale entries where the new rows go
+    vc2.flatten(0, 1)[slots] = -7.0
+    plan = cpu.plan_paged_attention(tables, lens, starts, block_size, kc.shape[0], kwargs.get("sliding_window"),
+                                    slots.to(torch.int32))
+    got = kernels.attend_and_cache(query, new_k, new_v, kc2, vc2, slots, tables, lens, starts, scale, plan=plan,
+                                   **kwargs)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(kc2.nan_to_num(1e9), kc.nan_to_num(1e9)) and torch.equal(vc2.nan_to_num(1e9), vc.nan_to_num(1e9))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "e4m3-cache"])
+def test_attend_and_cache_converts_rows_of_another_dtype_as_reshape_and_cache_does(cache_dtype):
+    """Float32 rows into a bfloat16 or fp8 cache (with scales): written as kv_quant stores them, then attended
+    over, exactly as reshape_and_cache followed by paged_attention."""
+    from paged_backend.kernels.kv_quant import quantize
+
+    inputs = make_paged_inputs(case_seed("cpu-aac-convert", str(cache_dtype)), torch.float32, 8, 2, 64, 16,
+                               [1, 40, 32, 19], [1, 7, 1, 19])
+    query, kc, vc, tables, lens, starts, scale = inputs.args(clean_cache=True)
+    slots, new_k = _new_rows(inputs, kc)
+    _, new_v = _new_rows(inputs, vc)
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype.itemsize == 1 else (1.0, 1.0)
+    caches = [quantize(c, cache_dtype, s) for c, s in ((kc, k_scale), (vc, v_scale))]
+    expected = [c.clone() for c in caches]
+    reference.reshape_and_cache(new_k, new_v, *expected, slots, k_scale, v_scale)
+    want = cpu.paged_attention(query, *expected, tables, lens, starts, scale, k_scale=k_scale, v_scale=v_scale)
+    plan = cpu.plan_paged_attention(tables, lens, starts, 16, kc.shape[0], None, slots)
+    got = kernels.attend_and_cache(query, new_k, new_v, *caches, slots, tables, lens, starts, scale, plan=plan,
+                                   k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(got, want)
+    for written, wanted in zip(caches, expected):
+        assert torch.equal(written.view(torch.uint8) if cache_dtype.itemsize == 1 else written,
+                           wanted.view(torch.uint8) if cache_dtype.itemsize == 1 else wanted)
+
+
+def test_attend_and_cache_refuses_bad_slots_and_rows_by_name():
+    inputs = make_paged_inputs(case_seed("cpu-aac-bad"), torch.float32, 4, 2, 16, 8, [9, 1], [2, 1])
+    query, kc, vc, tables, lens, starts, scale = inputs.args()
+    slots, new_k = _new_rows(inputs, kc)
+    _, new_v = _new_rows(inputs, vc)
+    for bad in (torch.tensor([0, 1, kc.shape[0] * 8]), torch.tensor([-1, 0, 1]), torch.tensor([0, 1])):
+        with pytest.raises(ValueError, match="slot"):
+            cpu.plan_paged_attention(tables, lens, starts, 8, kc.shape[0], None, bad)
+    plan = cpu.plan_paged_attention(tables, lens, starts, 8, kc.shape[0], None, slots)
+    with pytest.raises(ValueError, match="key must be"):
+        cpu.attend_and_cache(query, new_k[:, :1], new_v, kc, vc, plan, scale)
+    with pytest.raises(ValueError, match="query has 2 rows"):
+        cpu.attend_and_cache(query[:2], new_k[:2], new_v[:2], kc, vc, plan, scale)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu.attend_and_cache(query, new_k, new_v, kc, vc, cpu.plan_paged_attention(tables, lens, starts, 8,
+                                                                                 kc.shape[0]), scale)
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        kernels.attend_and_cache(query, new_k, new_v, kc, vc, slots, tables, lens, starts, scale, plan=plan,
+                                 sliding_window=4)

@@ -7,7 +7,7 @@ tokens and mixed steps (decode rows plus prefill chunks). Systems: `main` (the P
 before issue 17: advanced-indexing gather), `torch` (the PyTorch path now: `index_select` gather),
 `cpp` (the compiled kernel) and, with `--kv-cache-dtypes`, `cpp` over compact caches. Each repetition
 runs the same step once per system, in an order that alternates; it reports the step time, the time
-inside attention (the plan and `paged_attention` calls of all layers) and its share of the step, and
+inside attention (the plan and `attend_and_cache` calls of all layers: the cache writes and attention) and its share of the step, and
 per-repetition ratios against `cpp` as median and range. `--layer` adds a one-layer decode comparison;
 `--flex` includes `torch.nn.attention.flex_attention` over the paged cache in it (compiled by inductor).
 """
@@ -131,12 +131,12 @@ class AttentionClock:
 
     @contextmanager
     def installed(self) -> Iterator["AttentionClock"]:
-        saved = kernels.paged_attention, kernels.plan_attention
-        kernels.paged_attention, kernels.plan_attention = self._timed(saved[0]), self._timed(saved[1])
+        saved = kernels.attend_and_cache, kernels.plan_attention
+        kernels.attend_and_cache, kernels.plan_attention = self._timed(saved[0]), self._timed(saved[1])
         try:
             yield self
         finally:
-            kernels.paged_attention, kernels.plan_attention = saved
+            kernels.attend_and_cache, kernels.plan_attention = saved
 
 
 @contextmanager

@@ -59,7 +59,7 @@ def instrumented(engine: LLMEngine, timer: ExclusiveTimer) -> Iterator[None]:
                (engine.sampler, "sample", "sampling"), (engine.sampler, "sample_batch", "sampling"),
                (engine.tokens, "process", "bookkeeping"), (engine.tokens, "launch", "bookkeeping"),
                (engine_module, "prepare_inputs", "prepare_inputs"), (engine, "_step_inputs", "prepare_inputs"),
-               (kernels, "paged_attention", "attention"), (kernels, "reshape_and_cache", "attention")]
+               (kernels, "attend_and_cache", "attention"), (kernels, "plan_attention", "attention")]
     patches += [(bm, name, "block_manager") for name in ("can_allocate", "allocate", "can_append_slots",
                                                          "append_slots", "append_decode_slots", "free", "fork",
                                                          "mark_computed")]

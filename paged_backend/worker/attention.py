@@ -177,21 +177,22 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     key_cache, value_cache = metadata.kv_caches[layer]
     k_scale, v_scale = metadata.kv_scales[layer] if metadata.kv_scales is not None else (1.0, 1.0)
     q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    kernels.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     window = options.sliding_window
-    if window not in metadata.plans:
-        metadata.plans[window] = kernels.plan_attention(key_cache, metadata.block_tables, metadata.context_lens,
-                                                        metadata.query_start_loc, window)
-    plan = metadata.plans[window]
-    out = kernels.paged_attention(q.contiguous(), key_cache, value_cache, metadata.block_tables,
-                                  metadata.context_lens, metadata.query_start_loc, scaling, plan=plan,
-                                  sliding_window=window, softcap=options.softcap, sinks=options.sinks,
-                                  k_scale=k_scale, v_scale=v_scale)
+    plan = metadata.plans.get(window, _NO_PLAN)
+    if plan is _NO_PLAN:
+        plan = metadata.plans[window] = kernels.plan_attention(
+            key_cache, metadata.block_tables, metadata.context_lens, metadata.query_start_loc, window,
+            metadata.slot_mapping)
+    out = kernels.attend_and_cache(q, key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache,
+                                   metadata.slot_mapping, metadata.block_tables, metadata.context_lens,
+                                   metadata.query_start_loc, scaling, plan=plan, sliding_window=window,
+                                   softcap=options.softcap, sinks=options.sinks, k_scale=k_scale, v_scale=v_scale)
     return out.unsqueeze(0)
+
+
+_NO_PLAN = object()   # no plan yet for a window (Triton's plan is None)
 
 
 def paged_attention_mask(*args, **kwargs):
