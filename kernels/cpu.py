@@ -12,7 +12,7 @@ read outside the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
