@@ -134,3 +134,22 @@ def test_an_overlapped_engine_stepped_from_the_compute_thread_runs_its_steps_inl
                           env={**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tokens 4" in done.stdout
+
+
+@pytest.mark.parametrize("uses_scratch_dir", [False, True])
+def test_a_benchmark_runs_on_the_compute_thread(uses_scratch_dir, tmp_path):
+    """A benchmark compares systems in one process (our engines, transformers' generate): all of its torch work
+    runs on the compute thread, so the systems share one OpenMP team (a baseline on the main thread would pay the
+    two-team throttle our engine no longer pays)."""
+    from paged_backend.benchmarks.harness.report import BenchmarkSpec
+
+    seen = []
+
+    def run(config, *scratch):
+        seen.append((compute_thread.on_compute_thread(), scratch))
+        return {"ok": True}
+
+    spec = BenchmarkSpec("probe", dict, run, lambda r: [], lambda r: "", "plot_none", {"quick": {}}, "quick",
+                         uses_scratch_dir=uses_scratch_dir)
+    assert spec.execute({}, tmp_path) == {"ok": True}
+    assert seen == [(True, (tmp_path,) if uses_scratch_dir else ())]

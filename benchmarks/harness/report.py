@@ -31,7 +31,14 @@ class BenchmarkSpec:
     uses_scratch_dir: bool = False   # run(config, scratch_dir) keeps raw by-products there (never committed)
 
     def execute(self, config: Any, scratch_dir: Path) -> Dict[str, Any]:
-        return self.run(config, scratch_dir) if self.uses_scratch_dir else self.run(config)
+        """Run on the process's compute thread, where our engines run their torch work: every system a benchmark
+        runs in this process (transformers' baselines too) then shares one OpenMP team (architecture.md, *One
+        OpenMP team*)."""
+        from paged_backend.worker.compute_thread import run_on_compute_thread
+
+        if self.uses_scratch_dir:
+            return run_on_compute_thread(self.run, config, scratch_dir)
+        return run_on_compute_thread(self.run, config)
 
     def config(self, size: str, **overrides: Any):
         """The config of a named size with explicit options on top."""
