@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from conftest import assert_no_leaks, get_model
 from paged_backend import AsyncLLMEngine, LLMEngine, SamplingParams
@@ -147,9 +148,16 @@ def test_a_benchmark_runs_on_the_compute_thread(uses_scratch_dir, tmp_path):
 
     def run(config, *scratch):
         seen.append((compute_thread.on_compute_thread(), scratch))
+        torch.set_num_threads(1)                 # what a benchmark's set_threads does
         return {"ok": True}
 
     spec = BenchmarkSpec("probe", dict, run, lambda r: [], lambda r: "", "plot_none", {"quick": {}}, "quick",
                          uses_scratch_dir=uses_scratch_dir)
-    assert spec.execute({}, tmp_path) == {"ok": True}
-    assert seen == [(True, (tmp_path,) if uses_scratch_dir else ())]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert spec.execute({}, tmp_path) == {"ok": True}
+        assert seen == [(True, (tmp_path,) if uses_scratch_dir else ())]
+        assert torch.get_num_threads() == 1      # the report records the thread count the benchmark chose
+    finally:
+        torch.set_num_threads(threads)

@@ -36,9 +36,13 @@ class BenchmarkSpec:
         OpenMP team*)."""
         from paged_backend.worker.compute_thread import run_on_compute_thread
 
-        if self.uses_scratch_dir:
-            return run_on_compute_thread(self.run, config, scratch_dir)
-        return run_on_compute_thread(self.run, config)
+        def job():
+            result = self.run(config, scratch_dir) if self.uses_scratch_dir else self.run(config)
+            return result, torch.get_num_threads()
+
+        result, threads = run_on_compute_thread(job)
+        torch.set_num_threads(threads)   # the thread count the benchmark chose holds for the caller too
+        return result
 
     def config(self, size: str, **overrides: Any):
         """The config of a named size with explicit options on top."""
