@@ -160,3 +160,42 @@ def test_the_bench_cli_takes_the_dtype_the_peer_is_paired_by():
                               "paged,llama.cpp,llama.cpp-f16"])
     config = SPEC.config("anchor", **bench_cli._overrides(SPEC, args))
     assert config.dtype == "bfloat16" and config.llama_cpp_systems() == ["llama.cpp", "llama.cpp-f16"]
+
+
+def test_our_compiled_server_runs_beside_the_peers_with_its_own_ratio_column():
+    """`paged-compiled` is our server with `--compile blocking` (compiled before it listens); the documented sizes
+    run it, and each peer's row gets its ratio to it, paired by round, beside the ratio to the eager server."""
+    from paged_backend.benchmarks.paper.serving_systems import COMPILED, paged_system
+
+    system = paged_system(Path("/m"), 3072, 16, None, "float32", compiled=True)
+    assert system.name == COMPILED and system.argv[-2:] == ["--compile", "blocking"]
+    assert "--compile" not in paged_system(Path("/m"), 3072, 16, None, "float32").argv
+    assert COMPILED in SPEC.config("anchor").systems and COMPILED in SPEC.config("anchor-half").systems
+    runs = [{"system": s, "repetition": rep, "concurrency": 1, "output_tokens_per_s": tps, "requests_per_s": 1.0,
+             "ttft_ms_median": 10.0, "itl_ms_mean": 5.0, "latency_s_median": 1.0, "busy_cores": 1.9,
+             "requests_ok": 8, "requests_failed": 0, "min_output_tokens": 64, "max_output_tokens": 64,
+             "min_prompt_tokens": 128, "max_prompt_tokens": 128}
+            for rep, values in enumerate([(30.0, 36.0, 40.0), (31.0, 33.0, 30.0)])
+            for s, tps in zip(("paged", COMPILED, "llama.cpp"), values)]
+    rows = summarize_serving(runs, ["paged", COMPILED, "llama.cpp"], [1])
+    peer = next(r for r in rows if r["system"] == "llama.cpp")
+    assert peer["compiled_ratio"]["values"] == [0.9, 1.1] and peer["paged_ratio"]["values"] == [0.75, 31 / 30]
+    assert next(r for r in rows if r["system"] == COMPILED)["compiled_ratio"] is None
+    config = {"prompt_tokens": 128, "output_tokens": 64, "model": "smollm2", "dtype": "float32", "kv_slots": 3072,
+              "threads": 2, "repetitions": 2}
+    table = serving_table({"rows": rows, "config": config, "guidellm": "0.8.1", "llama_cpp": None, "servers": {}})
+    assert "compiled is x" in table and "1.00x (0.90-1.10)" in table
+    with pytest.raises(ValueError, match="unknown systems"):
+        ServingConfig(systems=("paged-fast",))
+
+
+def test_each_round_sends_fresh_prompts_the_same_for_every_system():
+    """Round r's scenario seeds guidellm's synthetic prompts with seed + r: a server's prompt cache (llama.cpp keeps
+    prompts' KV in host memory) never answers a round from the round before, and systems pair on equal prompts."""
+    from paged_backend.benchmarks.paper.guidellm_run import GuidellmLoad, scenario
+    from paged_backend.benchmarks.paper.serving import round_load
+
+    load = GuidellmLoad((1, 4), (8, 8), 128, 64, seed=5)
+    seeds = [scenario("http://x", "m", "/tok", {}, round_load(load, rep), Path("/r.json"))["spec"]["seed"]["value"]
+             for rep in range(3)]
+    assert seeds == [5, 6, 7] and load.seed == 5

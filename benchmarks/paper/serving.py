@@ -8,7 +8,7 @@ busy during each concurrency are read from /proc while it runs."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -20,7 +20,7 @@ from paged_backend.benchmarks.harness.repeat import interleaved_order
 from paged_backend.benchmarks.harness.report import BenchmarkSpec
 from paged_backend.benchmarks.harness.server_process import CpuSampler, ServerProcess, launch, wait_ready
 from paged_backend.benchmarks.paper.serving_rows import check_serving, serving_table, summarize_serving
-from paged_backend.benchmarks.paper.serving_systems import (LLAMA_CPP_SYSTEMS, SERVED_SYSTEMS, ServedSystem,
+from paged_backend.benchmarks.paper.serving_systems import (COMPILED, LLAMA_CPP_SYSTEMS, SERVED_SYSTEMS, ServedSystem,
                                                             gguf_type, llama_cpp_system, llama_slot_context,
                                                             paged_system, reservation_system, served_model_dir,
                                                             transformers_system)
@@ -49,10 +49,10 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         self.systems, self.concurrencies = tuple(self.systems), tuple(self.concurrencies)
-        unknown = set(self.systems) - set(SERVED_SYSTEMS + LLAMA_CPP_SYSTEMS + ("pow2", "max"))
+        known = SERVED_SYSTEMS + (COMPILED,) + LLAMA_CPP_SYSTEMS
+        unknown = set(self.systems) - set(known + ("pow2", "max"))
         if unknown or not self.systems:
-            raise ValueError(f"unknown systems {sorted(unknown)}; use {SERVED_SYSTEMS + LLAMA_CPP_SYSTEMS} "
-                             f"(and pow2, max)")
+            raise ValueError(f"unknown systems {sorted(unknown)}; use {known} (and pow2, max)")
         for name in self.llama_cpp_systems():
             gguf_type(name, self.dtype)          # refuses a llama.cpp peer of unequal precision
         if not self.concurrencies or min(self.concurrencies) < 1:
@@ -67,12 +67,12 @@ class ServingConfig:
         return [max(self.min_requests, self.requests_per_stream * c) for c in self.concurrencies]
 
 
-ANCHOR = {"model": "smollm2", "systems": SERVED_SYSTEMS + ("llama.cpp",), "concurrencies": (1, 2, 4, 8, 16, 32),
+ANCHOR = {"model": "smollm2", "systems": SERVED_SYSTEMS + (COMPILED, "llama.cpp"), "concurrencies": (1, 2, 4, 8, 16, 32),
           "prompt_tokens": 128, "output_tokens": 64, "kv_slots": 3072, "block_size": 16, "repetitions": 3,
           "threads": 2, "dtype": "float32"}
 # The half-precision comparison: our bfloat16 against llama.cpp's bf16 GGUF and its f16 GGUF (its fastest 16-bit
 # path on a CPU that converts f16 cheaply), transformers serve in bfloat16 beside them.
-ANCHOR_HALF = {**ANCHOR, "systems": ("paged", "hf-serve", "llama.cpp", "llama.cpp-f16"), "dtype": "bfloat16"}
+ANCHOR_HALF = {**ANCHOR, "systems": ("paged", COMPILED, "hf-serve", "llama.cpp", "llama.cpp-f16"), "dtype": "bfloat16"}
 # One concurrency and one round (each guidellm sweep costs seconds of start-up whatever its size), with KV for two
 # of the four concurrent requests, so every server meets memory pressure.
 QUICK = {"model": "tiny-llama", "concurrencies": (4,), "prompt_tokens": 16, "output_tokens": 8, "min_requests": 4,
@@ -95,14 +95,23 @@ def _systems(config: ServingConfig, model_dir: Path, threads: int, llama: Option
             built.append(llama_cpp_system(name, llama.server, llama.gguf[kind], kind, threads,
                                           max(config.concurrencies), llama_slot_context(
                                               config.prompt_tokens, config.output_tokens, limit), config.model))
-        elif name == "paged":
-            built.append(paged_system(model_dir, config.kv_slots, config.block_size, limit, config.dtype))
+        elif name in ("paged", COMPILED):
+            built.append(paged_system(model_dir, config.kv_slots, config.block_size, limit, config.dtype,
+                                      compiled=name == COMPILED))
         elif name == "hf-serve":
             built.append(transformers_system(model_dir, config.kv_slots, config.block_size, config.max_batch_tokens,
                                              config.dtype))
         else:
             built.append(reservation_system(model_dir, name, config.kv_slots, limit, config.dtype))
     return built
+
+
+def round_load(load: GuidellmLoad, rep: int) -> GuidellmLoad:
+    """Round `rep`'s load: prompts of a seed of its own, the same for every system in the round (ratios pair
+    within a round), so no server answers a round from prompts cached in the rounds before (llama.cpp's server
+    keeps prompts' KV in host memory: with one seed for all rounds its time to first token fell from 186 ms in
+    round 1 to 37-41 ms in rounds 2 and 3)."""
+    return replace(load, seed=load.seed + rep)
 
 
 def _model_id(server: ServerProcess) -> str:
@@ -164,7 +173,7 @@ def run_serving(config: ServingConfig, scratch_dir: Path) -> dict:
             server, system = servers[name], by_name[name]
             tag = f"{name}-round{rep}"
             spec = scenario(server.base_url, ids[name], str(model_dir), system.force_length(config.output_tokens),
-                            load, work_dir / f"{tag}.json")
+                            round_load(load, rep), work_dir / f"{tag}.json")
             began = time.perf_counter()
             with CpuSampler(server.proc.pid) as sampler:
                 report = run_guidellm(executable, spec, work_dir, tag, timeout_s=_timeout(config))

@@ -7,7 +7,7 @@ from typing import List, Sequence
 
 from paged_backend.benchmarks.harness.repeat import format_spread, paired_ratio, spread
 from paged_backend.benchmarks.harness.report import format_table
-from paged_backend.benchmarks.paper.serving_systems import LABELS
+from paged_backend.benchmarks.paper.serving_systems import COMPILED, LABELS
 
 
 def summarize_serving(runs: List[dict], systems: Sequence[str], concurrencies: Sequence[int]) -> List[dict]:
@@ -30,6 +30,9 @@ def summarize_serving(runs: List[dict], systems: Sequence[str], concurrencies: S
                 # ours / this server's output tokens per second, paired by round
                 "paged_ratio": None if system == "paged" else paired_ratio(at_c, "paged", system,
                                                                            "output_tokens_per_s"),
+                # the same with our compiled server, when it ran
+                "compiled_ratio": None if system == COMPILED or COMPILED not in systems else paired_ratio(
+                    at_c, COMPILED, system, "output_tokens_per_s"),
                 "requests_ok": sum(r["requests_ok"] for r in own),
                 "requests_failed": sum(r["requests_failed"] for r in own),
                 "output_tokens_min": min((r["min_output_tokens"] for r in own if r["min_output_tokens"] is not None),
@@ -45,12 +48,14 @@ def summarize_serving(runs: List[dict], systems: Sequence[str], concurrencies: S
 
 
 def serving_table(result: dict) -> str:
-    headers = ["system", "concurrency", "out tok/s", "paged is x", "TTFT ms (median)", "ITL ms", "busy cores",
-               "done", "failed"]
+    compiled = any(r.get("compiled_ratio") for r in result["rows"])
+    headers = ["system", "concurrency", "out tok/s", "paged is x", *(["compiled is x"] if compiled else []),
+               "TTFT ms (median)", "ITL ms", "busy cores", "done", "failed"]
     rows = [[r["label"], r["concurrency"], format_spread(r["output_tokens_per_s"]),
-             format_spread(r["paged_ratio"], 2, "x"), format_spread(r["ttft_ms_median"], 0),
-             format_spread(r["itl_ms_mean"], 0), format_spread(r["busy_cores"], 2), r["requests_ok"],
-             r["requests_failed"]] for r in result["rows"]]
+             format_spread(r["paged_ratio"], 2, "x"),
+             *([format_spread(r.get("compiled_ratio"), 2, "x")] if compiled else []),
+             format_spread(r["ttft_ms_median"], 0), format_spread(r["itl_ms_mean"], 0),
+             format_spread(r["busy_cores"], 2), r["requests_ok"], r["requests_failed"]] for r in result["rows"]]
     c = result["config"]
     title = (f"Serving over HTTP under guidellm {result['guidellm']}: {c['prompt_tokens']}-token synthetic prompts, "
              f"{c['output_tokens']} forced output tokens, {c['model']} {c['dtype']}, {c['kv_slots']} KV slots and "

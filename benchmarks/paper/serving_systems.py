@@ -19,8 +19,10 @@ from typing import Callable, Dict, List, Optional, Pattern
 from paged_backend.benchmarks.harness.server_process import OUR_READY, UVICORN_READY, free_port
 
 SERVED_SYSTEMS = ("paged", "hf-serve", "oracle")
+COMPILED = "paged-compiled"    # our server with the compiled forward (`--compile blocking`, docs/compilation.md)
 LLAMA_CPP_SYSTEMS = ("llama.cpp", "llama.cpp-f16")
-LABELS = {"paged": "paged-backend serve", "hf-serve": "transformers serve --continuous-batching",
+LABELS = {"paged": "paged-backend serve", COMPILED: "paged-backend serve --compile",
+          "hf-serve": "transformers serve --continuous-batching",
           "oracle": "reservation baseline (oracle)", "llama.cpp": "llama.cpp llama-server, GGUF of equal precision",
           "llama.cpp-f16": "llama.cpp llama-server, f16 GGUF"}
 # our dtype -> the GGUF (weights and KV cache) of equal precision; llama.cpp-f16 pairs f16 with a 16-bit dtype
@@ -93,11 +95,14 @@ def _context_limit(max_model_len: Optional[int]) -> List[str]:
     return [] if max_model_len is None else ["--max-model-len", str(max_model_len)]
 
 
-def paged_system(model_dir: Path, kv_slots: int, block_size: int, max_model_len: Optional[int], dtype: str) -> ServedSystem:
+def paged_system(model_dir: Path, kv_slots: int, block_size: int, max_model_len: Optional[int], dtype: str,
+                 compiled: bool = False) -> ServedSystem:
+    """Our server; `compiled`: with the compiled forward, compiled (or read from inductor's cache) before it
+    listens, so every measured step runs compiled code."""
     argv = [sys.executable, "-m", "paged_backend.cli", "serve", str(model_dir), "--port", "0", "--log-level",
             "warning", "--block-size", str(block_size), "--num-blocks", str(kv_slots // block_size),
-            "--dtype", dtype, *_context_limit(max_model_len)]
-    return ServedSystem("paged", argv, OUR_READY, _ours_force)
+            "--dtype", dtype, *_context_limit(max_model_len), *(["--compile", "blocking"] if compiled else [])]
+    return ServedSystem(COMPILED if compiled else "paged", argv, OUR_READY, _ours_force)
 
 
 def reservation_system(model_dir: Path, policy: str, kv_slots: int, max_model_len: Optional[int],
