@@ -149,6 +149,23 @@ def attend_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                            k_scale=k_scale, v_scale=v_scale)
 
 
+def attend_heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, plan: Optional[Plan], scale: float,
+                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                       sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> Optional[torch.Tensor]:
+    """`attend_and_cache` on transformers' layout (`[1, heads, T, D]` in, `[1, T, heads, D]` out) through the C++
+    kernel with no per-call view or copy (`cpu.attend_heads_first`); None when it does not apply (another
+    kernel, or inputs it cannot read in place): then call `attend_and_cache` on `[T, heads, D]` views."""
+    if not isinstance(plan, cpu.CpuPlan) or plan.slot_mapping is None:
+        return None
+    if plan.sliding_window != sliding_window:
+        raise ValueError(f"the plan was built for sliding_window={plan.sliding_window}, "
+                         f"this call has sliding_window={sliding_window}")
+    return cpu.attend_heads_first(query, key, value, key_cache, value_cache, plan, scale, softcap, sinks,
+                                  k_scale, v_scale)
+
+
 def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],
                 block_mapping: torch.Tensor) -> None:
     """Copy blocks `src -> dst` in every layer's cache (copy-on-write)."""

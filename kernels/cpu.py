@@ -18,7 +18,6 @@ import torch
 
 from .cpu_build import build_error, load_library
 from .kv_quant import check_scales
-from .reference import check_block_reads
 from .variant import check_attention_variant
 
 CACHE_TYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
@@ -46,6 +45,13 @@ class CpuPlan:
     bound: Dict[tuple, "StepArgs"] = field(default_factory=dict)   # by cache geometry and query dtype
 
 
+# What kernels/cpu_attention.cpp's check_step finds wrong, by its code (the messages of reference.check_block_reads).
+STEP_PROBLEMS = {1: "query_start_loc must start at 0 and never decrease",
+                 2: "each context length must cover its new tokens and fit in its block-table row",
+                 3: "a block-table entry the attention reads is a hole or outside the cache of {num_blocks} blocks",
+                 4: "slot_mapping holds a slot outside the cache of {slots} slots"}
+
+
 def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          block_size: int, num_blocks: int, sliding_window: Optional[int] = None,
                          slot_mapping: Optional[torch.Tensor] = None) -> CpuPlan:
@@ -59,19 +65,21 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(tables.shape)}")
     if starts.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {tuple(starts.shape)}")
-    if num_seqs:
-        q_lens = starts[1:] - starts[:-1]
-        if int(starts[0]) != 0 or bool((q_lens < 0).any()):
-            raise ValueError("query_start_loc must start at 0 and never decrease")
-        check_block_reads(tables, lens, starts, block_size, num_blocks, sliding_window)
     num_rows = int(starts[-1]) if num_seqs else 0
     slots = None
     if slot_mapping is not None:
         slots = slot_mapping.to(torch.int64).contiguous()
-        if slots.shape != (num_rows,):
+        if slots.shape != (max(num_rows, 0),):
             raise ValueError(f"slot_mapping must hold one slot per new token ({num_rows}), got {tuple(slots.shape)}")
-        if num_rows and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * block_size):
-            raise ValueError(f"slot_mapping holds a slot outside the cache of {num_blocks * block_size} slots")
+    library = load_library("cpu_attention")
+    if library is None:
+        raise RuntimeError(f"the CPU attention kernel is not available: {build_error('cpu_attention')}")
+    # one pass in C++ over the step's metadata (a dozen small tensor operations took 0.3 ms per decode step)
+    problem = library.check_step(tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), num_seqs,
+                                 None if slots is None else slots.data_ptr(), 0 if slots is None else slots.shape[0],
+                                 block_size, num_blocks, int(sliding_window or 0))
+    if problem:
+        raise ValueError(STEP_PROBLEMS[problem].format(num_blocks=num_blocks, slots=num_blocks * block_size))
     return CpuPlan(tables, lens, starts, num_blocks, block_size, num_rows, sliding_window, slots)
 
 
@@ -165,6 +173,7 @@ class StepArgs:
     function: object          # the library's attend_and_cache_f32 / _f64
     acc_dtype: torch.dtype
     copies: bool              # the kernel writes the new K/V rows (same dtype as the cache, no scale)
+    direct: bool = False      # heads-first inputs the kernel reads in place (attend_heads_first)
 
 
 def _layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -242,3 +251,44 @@ def attend_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if status != 0:
             raise RuntimeError(f"the CPU attention kernel failed with status {status}")
     return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def attend_heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, plan: CpuPlan, scale: float, softcap: Optional[float] = None,
+                       sinks: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> Optional[torch.Tensor]:
+    """`attend_and_cache` on the layout transformers' attention layers hand over: query `[1, heads, T, D]`, key and
+    value `[1, kv_heads, T, D]`, output `[1, T, heads, D]`, with no view or copy per call. It applies when the
+    query is of the kernel's dtype (float32 or float64) and its memory is `[T, heads, D]` in order (a query
+    projected, viewed per head and transposed, as transformers does; always at one token) and the kernel writes
+    the new rows itself; otherwise it returns None and the caller takes `attend_and_cache`. Each layout is checked
+    once per step (by `attend_and_cache`'s checks)."""
+    layout = ("heads-first", query.shape, query.stride(), query.dtype, key.shape, key.stride(), key.dtype,
+              value.shape, value.stride(), value.dtype, key_cache.shape, key_cache.stride(), key_cache.dtype,
+              key_cache.device, value_cache.shape, value_cache.stride(), value_cache.dtype, value_cache.device,
+              k_scale, v_scale)
+    step = plan.bound.get(layout)
+    if step is None:
+        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[0] != 1:
+            raise ValueError(f"attend_heads_first takes [1, heads, tokens, head_size] tensors, got query "
+                             f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+        rows = query[0].transpose(0, 1)
+        step = _bind_step(plan, rows, key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache,
+                          k_scale, v_scale)
+        step.direct = step.copies and query.dtype == step.acc_dtype and rows.is_contiguous()
+        plan.bound[layout] = step
+    if not step.direct:
+        return None
+    if softcap is not None or sinks is not None:
+        check_attention_variant(query.shape[1], query.device, None, softcap, sinks)
+    out = torch.empty((1, query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype)
+    if query.shape[2]:
+        sink_logits = None if sinks is None else sinks.to(step.acc_dtype).contiguous()
+        status = step.function(
+            step.array.data_ptr(), query.data_ptr(), out.data_ptr(), key.data_ptr(), value.data_ptr(),
+            key.stride(2), key.stride(1), value.stride(2), value.stride(1), key_cache.data_ptr(),
+            value_cache.data_ptr(), scale * k_scale, v_scale, softcap or 0.0,
+            None if sink_logits is None else sink_logits.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"the CPU attention kernel failed with status {status}")
+    return out

@@ -455,6 +455,35 @@ int paged_attention(const void* query, void* out, const void* key_cache, const v
   return dispatch<Acc>(p, cache_type, num_seqs, num_threads);
 }
 
+// A step's metadata checked once, before any layer reads or writes through it: 0 when every entry a kernel will
+// use is valid, else the first problem's code (kernels/cpu.py's STEP_PROBLEMS names them): 1 query_start does
+// not start at 0 or decreases, 2 a context length is shorter than its new tokens or longer than its table row, 3
+// a table entry attention reads (from the window of the sequence's first new token to its last key) lies outside
+// the cache, 4 a slot (null slots: none) lies outside the cache.
+int64_t check_step_metadata(const int64_t* tables, int64_t width, const int64_t* context_lens,
+                            const int64_t* query_start, int64_t num_seqs, const int64_t* slots, int64_t num_slots,
+                            int64_t block_size, int64_t num_blocks, int64_t window) {
+  if (num_seqs > 0 && query_start[0] != 0) return 1;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    if (query_start[s + 1] < query_start[s]) return 1;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t length = context_lens[s], q_len = query_start[s + 1] - query_start[s];
+    if (length < q_len || length > width * block_size) return 2;
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t length = context_lens[s], q_len = query_start[s + 1] - query_start[s];
+    if (q_len == 0) continue;
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, length - q_len - window + 1) : 0;
+    for (int64_t col = first_key / block_size; col * block_size < length; ++col) {
+      const int64_t block = tables[s * width + col];
+      if (block < 0 || block >= num_blocks) return 3;
+    }
+  }
+  for (int64_t t = 0; slots != nullptr && t < num_slots; ++t)
+    if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 4;
+  return 0;
+}
+
 // The per-step arguments of attend_and_cache, packed once per step by kernels/cpu.py (StepArgs) as int64.
 enum StepField : int64_t {
   kTables = 0, kTableWidth, kContextLens, kQueryStart, kNumSeqs, kHeads, kKvHeads, kHeadSize, kBlockSize, kCacheType,
@@ -548,5 +577,12 @@ int attend_and_cache_f64(const int64_t* step, const void* query, void* out, cons
 }
 
 int64_t step_fields() { return kStepFields; }
+
+int64_t check_step(const int64_t* tables, int64_t width, const int64_t* context_lens, const int64_t* query_start,
+                   int64_t num_seqs, const int64_t* slots, int64_t num_slots, int64_t block_size, int64_t num_blocks,
+                   int64_t window) {
+  return check_step_metadata(tables, width, context_lens, query_start, num_seqs, slots, num_slots, block_size,
+                             num_blocks, window);
+}
 
 }  // extern "C"

@@ -47,6 +47,9 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
                      #  strides, key_cache, value_cache, scale, v_scale, softcap, sinks)
                      | {name: (ctypes.c_int, [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _f64, _f64, _f64, _p])
                         for name in ("attend_and_cache_f32", "attend_and_cache_f64")}
+                     # (tables, width, context_lens, query_start, num_seqs, slots, num_slots, block_size,
+                     #  num_blocks, window)
+                     | {"check_step": (ctypes.c_int64, [_p, _i64, _p, _p, _i64, _p, _i64, _i64, _i64, _i64])}
                      | {"step_fields": (ctypes.c_int64, []),      # the length of attend_and_cache's step array
                         "vector_bytes": (ctypes.c_int64, [])},   # the build's vector width (cpu_features.py)
     # (logits, row_stride, num_rows, vocab, top_k, top_p, min_p, greedy, uniforms, draw_offsets, tokens,

@@ -153,8 +153,9 @@ def test_engine_through_the_cpu_kernel_equals_the_pytorch_path(model, monkeypatc
     beams = SamplingParams(beam_width=2, temperature=0, max_tokens=4, ignore_eos=True)
     outputs = {}
     calls = []
-    original = cpu.attend_and_cache     # the engine's path: one call per layer, cache write included
-    monkeypatch.setattr(cpu, "attend_and_cache", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for name in ("attend_and_cache", "attend_heads_first"):   # the engine's paths: one call per layer
+        original = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _original=original, **k: calls.append(1) or _original(*a, **k))
     for backend in ("cpp", "torch"):
         monkeypatch.setenv("PAGED_BACKEND_KERNELS", backend)
         llm = LLM(llm_model, tokenizer=tok, num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=4)
@@ -253,3 +254,53 @@ def test_attend_and_cache_refuses_bad_slots_and_rows_by_name():
     with pytest.raises(ValueError, match="sliding_window=4"):
         kernels.attend_and_cache(query, new_k, new_v, kc, vc, slots, tables, lens, starts, scale, plan=plan,
                                  sliding_window=4)
+
+
+@pytest.mark.parametrize("variant", ["plain", "all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=["decode", "mixed", "block1"])
+def test_attend_heads_first_reads_transformers_layout_in_place(case, dtype, variant):
+    """Query `[1, heads, T, D]` as transformers hands it over (projected, viewed per head, transposed), K/V the
+    same: the rows land in their slots and the output `[1, T, heads, D]` is paged_attention's, bit for bit."""
+    heads, kv_heads, head_size, block_size, ctx, qlens = case
+    seed = case_seed("cpu-heads-first", case, str(dtype), variant)
+    kwargs = variant_kwargs(variant, seed, heads, dtype, 9)
+    inputs = make_paged_inputs(seed, dtype, heads, kv_heads, head_size, block_size, ctx, qlens,
+                               sliding_window=kwargs.get("sliding_window"))
+    query, kc, vc, tables, lens, starts, scale = inputs.args()
+    slots, new_k = _new_rows(inputs, kc)
+    _, new_v = _new_rows(inputs, vc)
+    want = cpu.paged_attention(query, kc, vc, tables, lens, starts, scale, **kwargs)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2.flatten(0, 1)[slots] = 7.0
+    vc2.flatten(0, 1)[slots] = -7.0
+    plan = cpu.plan_paged_attention(tables, lens, starts, block_size, kc.shape[0], kwargs.get("sliding_window"),
+                                    slots)
+    heads_first = [rows.contiguous()[None].transpose(1, 2) for rows in (query, new_k, new_v)]
+    got = kernels.attend_heads_first(*heads_first, kc2, vc2, plan, scale, **kwargs)
+    assert got is not None and got.shape == (1, *query.shape) and torch.equal(got[0], want)
+    assert torch.equal(kc2.nan_to_num(1e9), kc.nan_to_num(1e9)) and torch.equal(vc2.nan_to_num(1e9), vc.nan_to_num(1e9))
+
+
+def test_attend_heads_first_declines_what_it_cannot_read_in_place_and_writes_nothing():
+    """A half-precision query, a query whose memory is not [T, heads, D], rows the PyTorch code must convert
+    (fp8), or a plan of another kernel: None, and the cache untouched (the caller's general path writes it)."""
+    from paged_backend.kernels.kv_quant import quantize
+
+    inputs = make_paged_inputs(case_seed("cpu-heads-first-declines"), torch.float32, 4, 2, 16, 8, [9, 3], [2, 3])
+    query, kc, vc, tables, lens, starts, scale = inputs.args(clean_cache=True)
+    slots, new_k = _new_rows(inputs, kc)
+    _, new_v = _new_rows(inputs, vc)
+    plan = cpu.plan_paged_attention(tables, lens, starts, 8, kc.shape[0], None, slots)
+    k4, v4 = (rows.contiguous()[None].transpose(1, 2) for rows in (new_k, new_v))
+    q4 = query.contiguous()[None].transpose(1, 2)
+    kc_fp8, vc_fp8 = quantize(kc, torch.float8_e4m3fn, 1.0), quantize(vc, torch.float8_e4m3fn, 1.0)
+    for args in [(q4.to(torch.bfloat16), k4, v4, kc, vc), (q4.contiguous(), k4, v4, kc, vc),
+                 (q4, k4, v4, kc_fp8, vc_fp8)]:
+        before = [c.clone() for c in args[3:]]
+        assert kernels.attend_heads_first(*args, plan, scale) is None
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(args[3:], before))
+    reference_plan = reference.plan_paged_attention(tables, lens, starts, 8)
+    assert kernels.attend_heads_first(q4, k4, v4, kc, vc, reference_plan, scale) is None
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        kernels.attend_heads_first(q4, k4, v4, kc, vc, plan, scale, sliding_window=4)

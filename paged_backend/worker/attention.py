@@ -176,15 +176,19 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     """Write the step's k/v of cache layer `layer` and attend through the block tables: `[1, T, H, D]`."""
     key_cache, value_cache = metadata.kv_caches[layer]
     k_scale, v_scale = metadata.kv_scales[layer] if metadata.kv_scales is not None else (1.0, 1.0)
-    q = query[0].transpose(0, 1)
     if scaling is None:
-        scaling = q.shape[-1] ** -0.5
+        scaling = query.shape[-1] ** -0.5
     window = options.sliding_window
     plan = metadata.plans.get(window, _NO_PLAN)
     if plan is _NO_PLAN:
         plan = metadata.plans[window] = kernels.plan_attention(
             key_cache, metadata.block_tables, metadata.context_lens, metadata.query_start_loc, window,
             metadata.slot_mapping)
+    out = kernels.attend_heads_first(query, key, value, key_cache, value_cache, plan, scaling, window,
+                                     options.softcap, options.sinks, k_scale, v_scale)
+    if out is not None:
+        return out
+    q = query[0].transpose(0, 1)
     out = kernels.attend_and_cache(q, key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache,
                                    metadata.slot_mapping, metadata.block_tables, metadata.context_lens,
                                    metadata.query_start_loc, scaling, plan=plan, sliding_window=window,
