@@ -183,15 +183,12 @@ def _new_rows(inputs, cache):
     return slots, rows.transpose(0, 1).contiguous().transpose(0, 1)
 
 
-@pytest.mark.parametrize("variant", ["plain", "all"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp64", "fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", [CASES[2], CASES[5], VARIANT_CASES[5][:6]], ids=["mixed", "block1", "tiles"])
-def test_attend_and_cache_writes_the_new_rows_then_equals_paged_attention(case, dtype, variant):
-    """One call per layer (the engine's path): the new K/V rows, handed over as strided views, land in their
-    slots bit for bit, and the output is paged_attention's over the filled cache, bit for bit."""
+def _step_case(name, case, dtype, variant):
+    """A step's inputs with its new rows taken out of the cache: the inputs, the variant's keywords, the slots,
+    the new K and V rows, paged_attention's output over the full cache, and copies of the caches whose new slots
+    hold stale entries (7 and -7)."""
     heads, kv_heads, head_size, block_size, ctx, qlens = case
-    seed = case_seed("cpu-attend-and-cache", case, str(dtype), variant)
+    seed = case_seed(name, case, str(dtype), variant)
     kwargs = variant_kwargs(variant, seed, heads, dtype, 9)
     inputs = make_paged_inputs(seed, dtype, heads, kv_heads, head_size, block_size, ctx, qlens,
                                sliding_window=kwargs.get("sliding_window"))
@@ -200,8 +197,21 @@ def test_attend_and_cache_writes_the_new_rows_then_equals_paged_attention(case, 
     _, new_v = _new_rows(inputs, vc)
     want = cpu.paged_attention(query, kc, vc, tables, lens, starts, scale, **kwargs)
     kc2, vc2 = kc.clone(), vc.clone()
-    kc2.flatten(0, 1)[slots] = 7.0          # stale entries where the new rows go
+    kc2.flatten(0, 1)[slots] = 7.0
     vc2.flatten(0, 1)[slots] = -7.0
+    return inputs, kwargs, slots, new_k, new_v, want, kc2, vc2
+
+
+@pytest.mark.parametrize("variant", ["plain", "all"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp64", "fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], VARIANT_CASES[5][:6]], ids=["mixed", "block1", "tiles"])
+def test_attend_and_cache_writes_the_new_rows_then_equals_paged_attention(case, dtype, variant):
+    """One call per layer (the engine's path): the new K/V rows, handed over as strided views, land in their
+    slots bit for bit, and the output is paged_attention's over the filled cache, bit for bit."""
+    inputs, kwargs, slots, new_k, new_v, want, kc2, vc2 = _step_case("cpu-attend-and-cache", case, dtype, variant)
+    query, kc, vc, tables, lens, starts, scale = inputs.args()
+    block_size = case[3]
     plan = cpu.plan_paged_attention(tables, lens, starts, block_size, kc.shape[0], kwargs.get("sliding_window"),
                                     slots.to(torch.int32))
     got = kernels.attend_and_cache(query, new_k, new_v, kc2, vc2, slots, tables, lens, starts, scale, plan=plan,
@@ -262,18 +272,9 @@ def test_attend_and_cache_refuses_bad_slots_and_rows_by_name():
 def test_attend_heads_first_reads_transformers_layout_in_place(case, dtype, variant):
     """Query `[1, heads, T, D]` as transformers hands it over (projected, viewed per head, transposed), K/V the
     same: the rows land in their slots and the output `[1, T, heads, D]` is paged_attention's, bit for bit."""
-    heads, kv_heads, head_size, block_size, ctx, qlens = case
-    seed = case_seed("cpu-heads-first", case, str(dtype), variant)
-    kwargs = variant_kwargs(variant, seed, heads, dtype, 9)
-    inputs = make_paged_inputs(seed, dtype, heads, kv_heads, head_size, block_size, ctx, qlens,
-                               sliding_window=kwargs.get("sliding_window"))
+    inputs, kwargs, slots, new_k, new_v, want, kc2, vc2 = _step_case("cpu-heads-first", case, dtype, variant)
     query, kc, vc, tables, lens, starts, scale = inputs.args()
-    slots, new_k = _new_rows(inputs, kc)
-    _, new_v = _new_rows(inputs, vc)
-    want = cpu.paged_attention(query, kc, vc, tables, lens, starts, scale, **kwargs)
-    kc2, vc2 = kc.clone(), vc.clone()
-    kc2.flatten(0, 1)[slots] = 7.0
-    vc2.flatten(0, 1)[slots] = -7.0
+    block_size = case[3]
     plan = cpu.plan_paged_attention(tables, lens, starts, block_size, kc.shape[0], kwargs.get("sliding_window"),
                                     slots)
     heads_first = [rows.contiguous()[None].transpose(1, 2) for rows in (query, new_k, new_v)]
