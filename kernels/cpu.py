@@ -12,7 +12,7 @@ read outside the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -233,24 +233,34 @@ def attend_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     step = plan.bound.get(layout)
     if step is None:
         step = plan.bound[layout] = _bind_step(plan, query, key, value, key_cache, value_cache, k_scale, v_scale)
-    if softcap is not None or sinks is not None:
-        check_attention_variant(query.shape[1], query.device, None, softcap, sinks)
     if not step.copies:
         from .reference import reshape_and_cache
 
         reshape_and_cache(key, value, key_cache, value_cache, plan.slot_mapping, k_scale, v_scale)
     q = query.to(step.acc_dtype).contiguous()
     out = torch.empty_like(q)
-    if q.shape[0]:
-        sink_logits = None if sinks is None else sinks.to(step.acc_dtype).contiguous()
-        status = step.function(
-            step.array.data_ptr(), q.data_ptr(), out.data_ptr(), key.data_ptr() if step.copies else None,
-            value.data_ptr() if step.copies else None, key.stride(0), key.stride(1), value.stride(0),
-            value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), scale * k_scale, v_scale,
-            softcap or 0.0, None if sink_logits is None else sink_logits.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"the CPU attention kernel failed with status {status}")
+    _launch(step, q, out, q.shape[0], key, value, (key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
+            key_cache, value_cache, scale, softcap, sinks, k_scale, v_scale)
     return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _launch(step: StepArgs, query: torch.Tensor, out: torch.Tensor, num_tokens: int, key: torch.Tensor,
+            value: torch.Tensor, row_strides: Tuple[int, int, int, int], key_cache: torch.Tensor,
+            value_cache: torch.Tensor, scale: float, softcap: Optional[float], sinks: Optional[torch.Tensor],
+            k_scale: float, v_scale: float) -> None:
+    """One attend_and_cache kernel call (the new rows written when `step.copies`); `row_strides`: the new K and V
+    rows' token and head strides."""
+    if softcap is not None or sinks is not None:
+        check_attention_variant(query.shape[1], query.device, None, softcap, sinks)   # heads: dim 1 in both layouts
+    if not num_tokens:
+        return
+    sink_logits = None if sinks is None else sinks.to(step.acc_dtype).contiguous()
+    status = step.function(
+        step.array.data_ptr(), query.data_ptr(), out.data_ptr(), key.data_ptr() if step.copies else None,
+        value.data_ptr() if step.copies else None, *row_strides, key_cache.data_ptr(), value_cache.data_ptr(),
+        scale * k_scale, v_scale, softcap or 0.0, None if sink_logits is None else sink_logits.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"the CPU attention kernel failed with status {status}")
 
 
 def attend_heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -279,16 +289,8 @@ def attend_heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         plan.bound[layout] = step
     if not step.direct:
         return None
-    if softcap is not None or sinks is not None:
-        check_attention_variant(query.shape[1], query.device, None, softcap, sinks)
     out = torch.empty((1, query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype)
-    if query.shape[2]:
-        sink_logits = None if sinks is None else sinks.to(step.acc_dtype).contiguous()
-        status = step.function(
-            step.array.data_ptr(), query.data_ptr(), out.data_ptr(), key.data_ptr(), value.data_ptr(),
-            key.stride(2), key.stride(1), value.stride(2), value.stride(1), key_cache.data_ptr(),
-            value_cache.data_ptr(), scale * k_scale, v_scale, softcap or 0.0,
-            None if sink_logits is None else sink_logits.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"the CPU attention kernel failed with status {status}")
+    _launch(step, query, out, query.shape[2], key, value, (key.stride(2), key.stride(1), value.stride(2),
+                                                            value.stride(1)),
+            key_cache, value_cache, scale, softcap, sinks, k_scale, v_scale)
     return out
