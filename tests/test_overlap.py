@@ -179,3 +179,55 @@ def test_our_attention_stays_the_models_while_any_engine_on_it_runs_a_step():
     assert model.config._attn_implementation == ours      # the second one's step is still running
     second_step.__exit__(None, None, None)
     assert model.config._attn_implementation == before
+
+
+class SuccessorWaitingRunner(RecordingRunner):
+    """Each forward waits (up to a bound) until the engine has launched the step after it, as a forward that
+    takes longer than scheduling does; records, for every forward, whether its input ids were already complete
+    (no placeholder left) when it started."""
+
+    def __init__(self, runner, engine) -> None:
+        super().__init__(runner)
+        self.engine = engine
+        self.complete_at_start = []
+
+    def execute(self, inputs):
+        import time
+
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and self.engine.has_unfinished_requests():
+            launched = self.engine._inflight
+            if launched is not None and launched.inputs is not inputs:
+                break
+            time.sleep(0.001)
+        return super().execute(inputs)
+
+
+def test_a_steps_sampled_tokens_fill_the_launched_successor_before_its_results_are_released():
+    """The worker fills the next step's pending input ids from a step's draws before it hands the step's results
+    to the engine's thread: the successor's forward then starts without waiting for that thread (which, woken
+    by the results, holds the interpreter while it processes them). Tokens equal the run without overlap."""
+    engine = engine_with(True)
+    engine.runner = SuccessorWaitingRunner(engine.runner.runner, engine)
+    late_fills = []   # per step with pending inputs: were they still unfilled once its predecessor was released?
+    original_execute = engine._execute
+
+    def execute(launched, previous):
+        if launched.fill is not None:
+            late_fills.append(previous.future.done() and not getattr(launched, "filled", False))
+        return original_execute(launched, previous)
+
+    engine._execute = execute
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {f"r{i}": PROMPT + " over" * i for i in range(3)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    outputs = run_to_completion(engine, max_steps=MAX_STEPS)
+    assert len(late_fills) >= 5 and not any(late_fills), late_fills
+    reference = engine_with(False)
+    for request_id, prompt in prompts.items():
+        reference.add_request(request_id, prompt, params)
+    expected = run_to_completion(reference, max_steps=MAX_STEPS)
+    assert {k: o.outputs[0].token_ids for k, o in outputs.items()} == \
+        {k: o.outputs[0].token_ids for k, o in expected.items()}
+    assert_no_leaks(engine)

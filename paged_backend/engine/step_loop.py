@@ -82,21 +82,29 @@ class StepLoop:
             rows.needs_processing = True   # the next step is launched after this one is processed, to propose
         launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill,
                                 lora_slot_of=lora_slots[0] if lora_slots is not None else {})
+        if previous is not None and fill is not None:
+            previous.successor = launched   # its worker job fills our inputs as soon as it has drawn its tokens
         launched.future = self._worker.submit(lambda: self._execute(launched, previous))
         return launched
 
     def _execute(self: "LLMEngine", launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
         """The device's part of a step (in the worker thread when overlapped): fill the inputs that the previous
-        step sampled, run the forward, draw the sampled rows' tokens."""
-        if launched.fill is not None:
-            launched.fill.apply(launched.inputs.input_ids, previous.sampled_tokens())
+        step sampled (unless that step's job did), run the forward, draw the sampled rows' tokens, and fill the
+        inputs of the step launched after this one, if it is waiting for them."""
+        if launched.fill is not None and not launched.filled:
+            launched.fill_inputs(previous.sampled_tokens())
         logits = self.runner.execute(launched.inputs)
         if not launched.rows.normal:
-            return StepResult(logits)
-        try:
-            return StepResult(logits, self.tokens.sample(launched.rows, logits))
-        except Exception as exc:  # noqa: BLE001 - a batched sampling stage failed: the step's sampled rows fail
-            return StepResult(logits, None, exc)
+            result = StepResult(logits)
+        else:
+            try:
+                result = StepResult(logits, self.tokens.sample(launched.rows, logits))
+            except Exception as exc:  # noqa: BLE001 - a batched sampling stage failed: the step's sampled rows fail
+                result = StepResult(logits, None, exc)
+        successor, launched.successor = launched.successor, None
+        if successor is not None:   # on the worker; the successor's own job, after this one, finds it filled
+            successor.fill_inputs(None if result.batch is None else result.batch.first_tokens)
+        return result
 
     def _collect(self: "LLMEngine", launched: LaunchedStep, successor: Optional[LaunchedStep]) -> List[RequestOutput]:
         """Wait for a step, apply its tokens and report its requests."""

@@ -44,6 +44,8 @@ class LaunchedStep:
     running: List[SequenceGroup]
     inputs: StepInputs
     fill: Optional[TokenFill] = None
+    filled: bool = False                    # its pending input ids hold the previous step's tokens (worker side)
+    successor: Optional["LaunchedStep"] = None   # the step launched after it whose inputs wait for its tokens
     lora_slot_of: Dict[int, int] = field(default_factory=dict)   # lora_int_id -> the device slot it runs in
     future: Optional[concurrent.futures.Future] = None
     _rows_of: Optional[Dict[int, int]] = field(default=None, repr=False)
@@ -68,6 +70,13 @@ class LaunchedStep:
             samplers = self.rows.samplers
             self._rows_of = {samplers[i].seq.seq_id: k for k, i in enumerate(self.rows.normal)}
         return self._rows_of
+
+    def fill_inputs(self, tokens: Optional[torch.Tensor]) -> None:
+        """Put the previous step's sampled tokens (None: it failed) into this step's pending input ids, once;
+        called on the worker only."""
+        if self.fill is not None and not self.filled:
+            self.fill.apply(self.inputs.input_ids, tokens)
+        self.filled = True
 
     def sampled_tokens(self) -> Optional[torch.Tensor]:
         """Each sampled row's token ([rows] int64), or None if the step failed. Waits for the step."""
