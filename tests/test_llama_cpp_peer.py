@@ -199,3 +199,20 @@ def test_each_round_sends_fresh_prompts_the_same_for_every_system():
     seeds = [scenario("http://x", "m", "/tok", {}, round_load(load, rep), Path("/r.json"))["spec"]["seed"]["value"]
              for rep in range(3)]
     assert seeds == [5, 6, 7] and load.seed == 5
+
+
+def test_each_server_is_waited_for_as_long_as_its_start_may_take(monkeypatch):
+    """The compiled server compiles every batch bucket before it listens on a first start (minutes, more while
+    the other servers load beside it): it is waited for longer than the others, which only load weights. A
+    bench run once stopped it after the common 300 s."""
+    from paged_backend.benchmarks.paper import serving
+    from paged_backend.benchmarks.paper.serving_systems import paged_system
+
+    waited = {}
+    monkeypatch.setattr(serving, "launch", lambda argv, pattern, env: argv[0])
+    monkeypatch.setattr(serving, "wait_ready", lambda server, ready_timeout=300.0: waited.update({server: ready_timeout}))
+    eager = paged_system(Path("/m"), 3072, 16, None, "float32")
+    compiled = paged_system(Path("/m"), 3072, 16, None, "float32", compiled=True)
+    eager.argv[0], compiled.argv[0] = "eager", "compiled"
+    serving._start_all([eager, compiled], {})
+    assert waited["eager"] == 300.0 and waited["compiled"] >= 1800.0

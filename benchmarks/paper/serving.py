@@ -138,8 +138,8 @@ def _start_all(systems: List[ServedSystem], env: Dict[str, str]) -> Dict[str, Se
     try:
         for system in systems:
             servers[system.name] = launch(system.argv, system.ready_pattern, {**env, **system.env})
-        for server in servers.values():
-            wait_ready(server)
+        for system in systems:
+            wait_ready(servers[system.name], ready_timeout=system.ready_timeout_s)
     except BaseException:
         _stop_all(servers)
         raise

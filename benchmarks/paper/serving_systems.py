@@ -41,6 +41,7 @@ class ServedSystem:
     ready_pattern: Pattern
     force_length: Callable[[int], dict]
     env: Dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 300.0   # how long its start may take (a first compiled start compiles every bucket)
 
     @property
     def label(self) -> str:
@@ -102,7 +103,10 @@ def paged_system(model_dir: Path, kv_slots: int, block_size: int, max_model_len:
     argv = [sys.executable, "-m", "paged_backend.cli", "serve", str(model_dir), "--port", "0", "--log-level",
             "warning", "--block-size", str(block_size), "--num-blocks", str(kv_slots // block_size),
             "--dtype", dtype, *_context_limit(max_model_len), *(["--compile", "blocking"] if compiled else [])]
-    return ServedSystem(COMPILED if compiled else "paged", argv, OUR_READY, _ours_force)
+    # a first compiled start compiles every batch bucket before it listens: 160-170 s alone on a quiet 2-core
+    # Xeon, over 300 s on a slower one while the other servers load beside it
+    return ServedSystem(COMPILED if compiled else "paged", argv, OUR_READY, _ours_force,
+                        ready_timeout_s=1800.0 if compiled else 300.0)
 
 
 def reservation_system(model_dir: Path, policy: str, kv_slots: int, max_model_len: Optional[int],
