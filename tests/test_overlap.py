@@ -183,13 +183,11 @@ def test_our_attention_stays_the_models_while_any_engine_on_it_runs_a_step():
 
 class SuccessorWaitingRunner(RecordingRunner):
     """Each forward waits (up to a bound) until the engine has launched the step after it, as a forward that
-    takes longer than scheduling does; records, for every forward, whether its input ids were already complete
-    (no placeholder left) when it started."""
+    takes longer than scheduling does."""
 
     def __init__(self, runner, engine) -> None:
         super().__init__(runner)
         self.engine = engine
-        self.complete_at_start = []
 
     def execute(self, inputs):
         import time
@@ -214,7 +212,7 @@ def test_a_steps_sampled_tokens_fill_the_launched_successor_before_its_results_a
 
     def execute(launched, previous):
         if launched.fill is not None:
-            late_fills.append(previous.future.done() and not getattr(launched, "filled", False))
+            late_fills.append(previous.future.done() and not launched.filled)
         return original_execute(launched, previous)
 
     engine._execute = execute
