@@ -65,7 +65,11 @@ def test_a_fault_in_one_requests_sampling_fails_that_request_only(dtype, caplog)
     assert_no_leaks(engine)
 
 
-def test_a_failed_forward_fails_the_steps_requests_and_the_engine_goes_on():
+@pytest.mark.timeout(120)   # results never released would leave the engine waiting
+@pytest.mark.parametrize("reports_launch", [False, True], ids=["plain-runner", "runner-reports-launch"])
+def test_a_failed_forward_fails_the_steps_requests_and_the_engine_goes_on(reports_launch):
+    """Also with a runner that says when its forward is on its way and fails before: the step before it, whose
+    results wait for that moment (overlapped scheduling), is still delivered."""
     model, tok = get_model("tiny-llama", torch.float32)
     engine = LLMEngine(model, tokenizer=tok, num_blocks=64, block_size=8, max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -79,7 +83,13 @@ def test_a_failed_forward_fails_the_steps_requests_and_the_engine_goes_on():
             raise RuntimeError("device hiccup")
         return execute(inputs)
 
-    engine.runner.execute = flaky
+    def flaky_reporting(inputs, on_launched=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device hiccup")
+        return execute(inputs, on_launched=on_launched)
+
+    engine.runner.execute = flaky_reporting if reports_launch else flaky
     outs = run_to_completion(engine, MAX_STEPS)
     for rid in ("first", "second"):
         assert "device hiccup" in outs[rid].error

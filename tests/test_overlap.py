@@ -229,3 +229,69 @@ def test_a_steps_sampled_tokens_fill_the_launched_successor_before_its_results_a
     assert {k: o.outputs[0].token_ids for k, o in outputs.items()} == \
         {k: o.outputs[0].token_ids for k, o in expected.items()}
     assert_no_leaks(engine)
+
+
+class DeviceLikeRunner(SuccessorWaitingRunner):
+    """A forward as a device runs one: it waits until the step after it is launched (a forward outlasting
+    scheduling), holds the interpreter for a while (input copies, kernel launches), reports the forward handed
+    over (`on_launched`), then waits for the device (asleep, the interpreter free) before computing."""
+
+    def __init__(self, runner, engine, events) -> None:
+        super().__init__(runner, engine)
+        self.events = events
+        self.forwards = 0
+
+    def execute(self, inputs, on_launched=None):
+        import time
+
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and self.engine.has_unfinished_requests():
+            launched = self.engine._inflight
+            if launched is not None and launched.inputs is not inputs:
+                break
+            time.sleep(0.001)
+        busy_until = time.perf_counter() + 0.003
+        while time.perf_counter() < busy_until:
+            pass
+        self.events.append(("launched", self.forwards))
+        self.forwards += 1
+        if on_launched is not None:
+            on_launched()
+        time.sleep(0.01)
+        return RecordingRunner.execute(self, inputs)
+
+
+def test_a_steps_results_are_released_once_the_next_steps_forward_is_launched():
+    """With the next step already launched, the worker hands a step's results to the engine's thread only once
+    the next forward is on its way (the runner's `on_launched`): the engine's processing then runs while the
+    device works, instead of holding the interpreter while the worker still prepares the next forward. Tokens
+    equal the run without overlap and nothing is held at the end."""
+    engine = engine_with(True)
+    events = []
+    engine.runner = DeviceLikeRunner(engine.runner.runner, engine, events)
+    original_process = engine.tokens.process
+    processed = [0]
+
+    def process(*args, **kwargs):
+        events.append(("processed", processed[0]))
+        processed[0] += 1
+        return original_process(*args, **kwargs)
+
+    engine.tokens.process = process
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {f"r{i}": PROMPT + " over" * i for i in range(3)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    outputs = run_to_completion(engine, max_steps=MAX_STEPS)
+    order = {event: k for k, event in enumerate(events)}
+    forwards = engine.runner.forwards
+    early = [step for step in range(forwards - 1)
+             if ("processed", step) in order and order[("processed", step)] < order[("launched", step + 1)]]
+    assert forwards >= 8 and not early, (early, events)
+    reference = engine_with(False)
+    for request_id, prompt in prompts.items():
+        reference.add_request(request_id, prompt, params)
+    expected = run_to_completion(reference, max_steps=MAX_STEPS)
+    assert {k: o.outputs[0].token_ids for k, o in outputs.items()} == \
+        {k: o.outputs[0].token_ids for k, o in expected.items()}
+    assert_no_leaks(engine)

@@ -38,15 +38,15 @@ class TimedRunner:
         self.runner, self.device = runner, device
         self.spans: List[tuple] = []
 
-    def execute(self, inputs):
+    def execute(self, inputs, on_launched=None):
         if self.device != "cuda":
             start = time.perf_counter()
-            logits = self.runner.execute(inputs)
+            logits = self.runner.execute(inputs, on_launched=on_launched)
             self.spans.append((start, time.perf_counter()))
             return logits
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        logits = self.runner.execute(inputs)
+        logits = self.runner.execute(inputs, on_launched=on_launched)
         end.record()
         self.spans.append((begin, end))
         return logits

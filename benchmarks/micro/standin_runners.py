@@ -3,7 +3,8 @@
 `ReadyLogitsRunner` returns logits at once, so a step's wall time is the engine's own (scheduling, block tables,
 inputs, the sampler, token processing, detokenization, outputs). With `device_ms` it first sleeps that long,
 standing for a device that takes D ms per forward: `time.sleep` releases the GIL as a CUDA forward or a torch CPU
-forward does, so the engine's host work can run meanwhile (overlapped scheduling) or not.
+forward does, so the engine's host work can run meanwhile (overlapped scheduling) or not; as a device runner
+does, it reports the forward on its way (`on_launched`) before that time.
 
 Every row's logits put all their mass on one ordinary word piece (" the"), so detokenization does what it does
 with text. The logits are one preallocated tensor handed out as a view: the workloads these runners serve are
@@ -37,8 +38,10 @@ class ReadyLogitsRunner:
         ids = engine.tokenizer(" the", add_special_tokens=False)["input_ids"] if engine.tokenizer else [0]
         return cls(engine.vocab_size, ids[-1], device_ms)
 
-    def execute(self, inputs) -> torch.Tensor:
+    def execute(self, inputs, on_launched=None) -> torch.Tensor:
         self.num_forwards += 1
+        if on_launched is not None:   # the device has the forward: the host is free until it ends
+            on_launched()
         if self.device_s:
             time.sleep(self.device_s)
         rows = len(inputs.sample_indices)

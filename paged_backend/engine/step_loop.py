@@ -5,13 +5,13 @@ collecting the current one. Failures of a step belong to its requests; a runner 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from paged_backend import kernels
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.engine.input_builder import prepare_step
 from paged_backend.engine.outputs import RequestOutput
-from paged_backend.engine.step_pipeline import LaunchedStep, StepResult
+from paged_backend.engine.step_pipeline import LaunchedStep, StepResult, reports_launch
 from paged_backend.errors import EngineDeadError
 
 if TYPE_CHECKING:
@@ -82,18 +82,31 @@ class StepLoop:
             rows.needs_processing = True   # the next step is launched after this one is processed, to propose
         launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill,
                                 lora_slot_of=lora_slots[0] if lora_slots is not None else {})
-        if previous is not None and fill is not None:
-            previous.successor = launched   # its worker job fills our inputs as soon as it has drawn its tokens
-        launched.future = self._worker.submit(lambda: self._execute(launched, previous))
+        launched.future = self._worker.submit(lambda: self._job(launched, previous))
+        if previous is not None:   # its job, if still running, fills our inputs and holds its results for us
+            previous.successor = launched
         return launched
+
+    def _job(self: "LLMEngine", launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
+        """A step's worker job: its results (or its failure) for the engine; the previous step's held results
+        are released by now, whatever happened."""
+        try:
+            return self._execute(launched, previous)
+        except BaseException as exc:
+            launched.results.set_exception(exc)
+            raise
+        finally:
+            if previous is not None:
+                previous.release()
 
     def _execute(self: "LLMEngine", launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
         """The device's part of a step (in the worker thread when overlapped): fill the inputs that the previous
-        step sampled (unless that step's job did), run the forward, draw the sampled rows' tokens, and fill the
-        inputs of the step launched after this one, if it is waiting for them."""
+        step sampled (unless that step's job did), run the forward (releasing the previous step's results once
+        it is on its way), draw the sampled rows' tokens; if the next step is launched, fill its inputs and hold
+        the results for it to release."""
         if launched.fill is not None and not launched.filled:
             launched.fill_inputs(previous.sampled_tokens())
-        logits = self.runner.execute(launched.inputs)
+        logits = self._forward(launched.inputs, previous.release if previous is not None else None)
         if not launched.rows.normal:
             result = StepResult(logits)
         else:
@@ -104,12 +117,23 @@ class StepLoop:
         successor, launched.successor = launched.successor, None
         if successor is not None:   # on the worker; the successor's own job, after this one, finds it filled
             successor.fill_inputs(None if result.batch is None else result.batch.first_tokens)
+        launched.deliver(result, hold=successor is not None)
         return result
+
+    def _forward(self: "LLMEngine", inputs, on_launched: Optional[Callable[[], None]]):
+        """The runner's forward; `on_launched` runs once it is on its way (by the runner, when it says when; else
+        before it)."""
+        if on_launched is None:
+            return self.runner.execute(inputs)
+        if not reports_launch(self.runner):
+            on_launched()
+            return self.runner.execute(inputs)
+        return self.runner.execute(inputs, on_launched=on_launched)
 
     def _collect(self: "LLMEngine", launched: LaunchedStep, successor: Optional[LaunchedStep]) -> List[RequestOutput]:
         """Wait for a step, apply its tokens and report its requests."""
         try:
-            result = launched.future.result()
+            result = launched.results.result()
         except EngineDeadError as exc:
             self._die(exc)
             raise

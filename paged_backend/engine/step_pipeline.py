@@ -5,12 +5,17 @@ sampler's draws (`StepResult`). With overlapped scheduling (`async_scheduling`) 
 in launch order, so the engine schedules step N+1 and prepares its inputs while step N's forward runs, and
 processes step N's tokens while step N+1's runs; a decode row of step N+1 whose input token step N is still
 sampling gets it from step N's sampled tokens by index (`TokenFill`), in the worker, just before the forward.
-Without it a step runs inline, as soon as it is launched.
+When step N+1 is launched before step N's job ends, step N's results reach the engine's thread only once step
+N+1's forward is on its way (the runner's `on_launched`): the engine's processing then runs while the device
+works, instead of holding the interpreter while the worker still prepares that forward. Without overlap a step
+runs inline, as soon as it is launched.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
@@ -47,7 +52,9 @@ class LaunchedStep:
     filled: bool = False                    # its pending input ids hold the previous step's tokens (worker side)
     successor: Optional["LaunchedStep"] = None   # the step launched after it whose inputs wait for its tokens
     lora_slot_of: Dict[int, int] = field(default_factory=dict)   # lora_int_id -> the device slot it runs in
-    future: Optional[concurrent.futures.Future] = None
+    future: Optional[concurrent.futures.Future] = None   # the worker's job (its result, or how it failed)
+    results: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)   # what the engine waits for
+    _held: Optional[StepResult] = field(default=None, repr=False)
     _rows_of: Optional[Dict[int, int]] = field(default=None, repr=False)
 
     @property
@@ -78,6 +85,20 @@ class LaunchedStep:
             self.fill.apply(self.inputs.input_ids, tokens)
         self.filled = True
 
+    def deliver(self, result: StepResult, hold: bool) -> None:
+        """The job's results: to the engine at once, or (`hold`: the next step is launched) kept until the next
+        step's forward is on its way (`release`); worker side."""
+        if hold:
+            self._held = result
+        else:
+            self.results.set_result(result)
+
+    def release(self) -> None:
+        """Hand held results to the engine (once; nothing when none are held)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.results.set_result(held)
+
     def sampled_tokens(self) -> Optional[torch.Tensor]:
         """Each sampled row's token ([rows] int64), or None if the step failed. Waits for the step."""
         try:
@@ -85,6 +106,29 @@ class LaunchedStep:
         except BaseException:  # noqa: BLE001 - the step failed: its requests fail, its successor fills zeros
             return None
         return None if result.batch is None else result.batch.first_tokens
+
+
+_REPORTS_LAUNCH: "weakref.WeakKeyDictionary[object, bool]" = weakref.WeakKeyDictionary()
+
+
+def reports_launch(runner) -> bool:
+    """Whether the runner's `execute` takes `on_launched` (it then says when its forward is on its way); known
+    per function, looked up once."""
+    method = runner.execute
+    key = getattr(method, "__func__", method)
+    try:
+        return _REPORTS_LAUNCH[key]
+    except (KeyError, TypeError):
+        pass
+    try:
+        known = "on_launched" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        known = False
+    try:
+        _REPORTS_LAUNCH[key] = known
+    except TypeError:   # not weakly referable: asked again next time
+        pass
+    return known
 
 
 class StepWorker:
@@ -96,7 +140,7 @@ class StepWorker:
         self._last: Optional[concurrent.futures.Future] = None
         self._closed = False
 
-    def submit(self, job: Callable[[], StepResult]) -> concurrent.futures.Future:
+    def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
         if self._closed:
             raise RuntimeError("the engine's step worker is shut down")
         if self.threaded and not compute_thread.on_compute_thread():   # from there it would wait behind itself

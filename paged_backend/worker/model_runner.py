@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from contextlib import contextmanager
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -86,12 +86,19 @@ class ModelRunner:
         another thread, for tens of seconds) uses it (`paged_attention_on`)."""
         return paged_attention_on(self.model.config)
 
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`."""
+    def execute(self, inputs: StepInputs, on_launched: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`. `on_launched` runs when
+        the host is free until the logits: before a CPU forward (it holds this thread throughout), after an
+        accelerator's forward is queued (never run on a GPU here: no GPU was lent so far)."""
+        queued_on_device = on_launched is not None and self.device.type != "cpu"
+        if on_launched is not None and not queued_on_device:
+            on_launched()
         self.cache_engine.swap_out(inputs.swap_out)
         self.cache_engine.swap_in(inputs.swap_in)
         self.cache_engine.copy(inputs.copies)
         if inputs.num_tokens == 0:
+            if queued_on_device:
+                on_launched()
             return torch.empty(0, 0)
         lora_plan = self._lora_plan(inputs)
         inputs = inputs.to(self.device)
@@ -102,7 +109,10 @@ class ModelRunner:
         # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
         # inference tensors forbid outside inference mode.
         with torch.no_grad(), attention_context(metadata), self._paged_attention(), self._lora_step(lora_plan):
-            return self.forward(inputs.input_ids, inputs.positions, inputs.sample_indices)
+            logits = self.forward(inputs.input_ids, inputs.positions, inputs.sample_indices)
+        if queued_on_device:
+            on_launched()
+        return logits
 
     def _lora_plan(self, inputs: StepInputs) -> Optional[LoRAPlan]:
         """Fill the adapter slots the step asks for, and group its tokens by slot (None: no adapter tokens)."""

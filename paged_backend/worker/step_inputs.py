@@ -52,7 +52,10 @@ class Runner(Protocol):
     """What the engine calls on a model runner, and nothing else."""
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Apply the step's swaps and copies, run the model, return logits of the sampled rows."""
+        """Apply the step's swaps and copies, run the model, return logits of the sampled rows. A runner may also
+        take `on_launched`, a callable it runs once the forward is on its way and the host is free until the
+        results (overlapped scheduling then hands the previous step's results to the engine at that moment;
+        without the parameter, the engine runs it before the call)."""
 
     def shutdown(self) -> None:
         """Release workers and the KV cache."""
