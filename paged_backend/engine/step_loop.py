@@ -82,16 +82,16 @@ class StepLoop:
             rows.needs_processing = True   # the next step is launched after this one is processed, to propose
         launched = LaunchedStep(sched, rows, list(self.scheduler.running), inputs, fill,
                                 lora_slot_of=lora_slots[0] if lora_slots is not None else {})
-        launched.future = self._worker.submit(lambda: self._job(launched, previous))
+        launched.future = self._worker.submit(lambda: self._execute(launched, previous))
         if previous is not None:   # its job, if still running, fills our inputs and holds its results for us
             previous.successor = launched
         return launched
 
-    def _job(self: "LLMEngine", launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
+    def _execute(self: "LLMEngine", launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
         """A step's worker job: its results (or its failure) for the engine; the previous step's held results
         are released by now, whatever happened."""
         try:
-            return self._execute(launched, previous)
+            return self._run_step(launched, previous)
         except BaseException as exc:
             launched.results.set_exception(exc)
             raise
@@ -99,7 +99,7 @@ class StepLoop:
             if previous is not None:
                 previous.release()
 
-    def _execute(self: "LLMEngine", launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
+    def _run_step(self: "LLMEngine", launched: LaunchedStep, previous: Optional[LaunchedStep]) -> StepResult:
         """The device's part of a step (in the worker thread when overlapped): fill the inputs that the previous
         step sampled (unless that step's job did), run the forward (releasing the previous step's results once
         it is on its way), draw the sampled rows' tokens; if the next step is launched, fill its inputs and hold
