@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 TESTS ?= tests integration_tests
+TEST_WORKERS ?= 2
 MODEL ?= smollm2
 BENCH ?= all --documented
 
@@ -26,9 +27,10 @@ $(STAMP):
 run: $(STAMP)
 	$(VENV)/bin/paged-backend serve $(MODEL) $(SERVE_ARGS)
 
-# Every test (TESTS=... a part of them).
+# Every test (TESTS=... a part of them), in TEST_WORKERS processes (pytest-xdist; a test file stays in one
+# process, so its module fixtures and servers start once; TEST_WORKERS=0 runs everything in this process).
 test: $(STAMP)
-	$(PY) -m pytest -v -ra --durations=25 $(PYTEST_ARGS) $(TESTS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -v -ra --durations=25 $(PYTEST_ARGS) $(TESTS)
 
 # The documented benchmark records (docs/benchmarks.md): every benchmark at its documented size at the checked-out
 # commit (a dirty tree is refused; BENCH_ARGS=--allow-dirty records it marked dirty), then the page is regenerated.
