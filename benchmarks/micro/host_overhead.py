@@ -132,10 +132,13 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
         if not on_compute_thread():
             return run_on_compute_thread(time_steps, model, tokenizer, prompts, config, overlap, device_ms, timer)
     engine = _engine(model, tokenizer, len(prompts), config, overlap, device_ms)
+    sampling: List[float] = []
     try:
         _bring_to_decode(engine, prompts, config.host_steps + 8)
+        spans, first = engine.runner.device_spans, len(engine.runner.device_spans)
         times = []
-        with timed_phases(engine, timer) if timer is not None else contextlib.nullcontext():
+        with timed_phases(engine, timer) if timer is not None else contextlib.nullcontext(), \
+                _durations(engine.tokens, "sample", sampling):
             for _ in range(config.host_steps):
                 start = time.perf_counter()
                 engine.step()
@@ -145,8 +148,32 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
     finally:
         engine.shutdown()
     ms = sorted(1000 * t for t in times)
-    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "min_ms": ms[0], "max_ms": ms[-1],
-            "running": running}
+    out = {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "min_ms": ms[0], "max_ms": ms[-1],
+           "running": running}
+    between = [1000 * (b[0] - a[1]) for a, b in zip(spans[first:], spans[first + 1:])]
+    if between and sampling:   # the worker's time from a forward's end to the next one's start, and its draws
+        out["between_forwards_ms"] = statistics.median(between)
+        out["sampling_ms"] = statistics.median(1000 * s for s in sampling)
+    return out
+
+
+@contextlib.contextmanager
+def _durations(obj: object, name: str, into: List[float]) -> Iterator[None]:
+    """Each call of `obj.name` inside the block appends its seconds to `into` (any thread)."""
+    method = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
 
 
 def engine_vocab(model, tokenizer) -> int:
@@ -206,7 +233,10 @@ def measure_once(model, tokenizer, prompts: List[List[int]], config, overlap: bo
         out["argmax_after_idle"] = run_on_compute_thread(time_logits_pass, vocab, rows, steps, config.device_ms,
                                                          with_norms=False)
         out["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
-        out["sleep_overlap"] = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
+        out["sleep_overlap"] = sleeping = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
+        if "between_forwards_ms" in sleeping:   # the worker between two forwards, and the draws of it
+            out["between_forwards"] = {"median_ms": sleeping["between_forwards_ms"]}
+            out["sampling_in_step"] = {"median_ms": sleeping["sampling_ms"]}
     return out
 
 
@@ -217,7 +247,7 @@ def measure_host(model, tokenizer, prompts: List[List[int]], config) -> dict:
     off = False if overlap else None
     repetitions = getattr(config, "repetitions", 1)   # the overhead benchmark's stand-in rows run once
     runs = [measure_once(model, tokenizer, prompts, config, overlap) for _ in range(repetitions)]
-    timed = {key: _repeated([run[key] for run in runs]) for key in runs[0]}
+    timed = {key: _repeated([run[key] for run in runs if key in run]) for key in runs[0]}
     ready = timed["ready_sync"]
     timer = ExclusiveTimer()   # the phases on a run of their own, so that the wrapping does not touch `ready`
     phased = time_steps(model, tokenizer, prompts, config, off, 0.0, timer)
@@ -244,7 +274,8 @@ def host_table(rows: List[dict], config: dict) -> List[List[str]]:
     for r in rows:
         d = r["device_ms"]
         out.append([str(r["running"]), cell(r, "ready_sync"), cell(r, "logits_pass"), cell(r, "ready_overlap"),
-                    cell(r, "sleep_sync", d), cell(r, "sleep_overlap", d), cell(r, "argmax_after_idle")])
+                    cell(r, "sleep_sync", d), cell(r, "sleep_overlap", d), cell(r, "argmax_after_idle"),
+                    cell(r, "between_forwards"), cell(r, "sampling_in_step")])
     return out
 
 
@@ -252,7 +283,8 @@ def host_headers(device_ms: float) -> List[str]:
     """The host table's column names."""
     d = device_ms
     return ["running seqs", "ready: step ms", "of it: logits pass", "ready, overlap: ms", f"D={d:g} ms: step - D",
-            f"D={d:g}, overlap: - D", f"of it: argmax after {d:g} ms idle"]
+            f"D={d:g}, overlap: - D", f"of it: argmax after {d:g} ms idle", "worker between forwards",
+            "of it: draws"]
 
 
 def phase_rows(rows: List[dict]) -> List[List[str]]:
@@ -327,7 +359,9 @@ def host_overhead_table(result: dict) -> str:
         f"cache; inside a step they come from memory): the part of a step no bookkeeping can remove on this machine; "
         f"argmax after idle: the pass the worker makes after each forward "
         f"when overlapped (argmax only), timed after sleeping D ms as the worker does, which pays for waking the "
-        f"kernel's threads (-: not measured)")
+        f"kernel's threads; worker between forwards: with overlap and D ms, the worker's time from the end of one "
+        f"forward to the start of the next (median), and of it its draws (the sampler's call on the step's logits, "
+        f"inside the step): the rest is the engine's own time on the critical path (-: not measured)")
     phases = format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),
                           "Where the ready-logits step's time goes, without overlap (ms per step)")
     return steps + "\n\n" + phases

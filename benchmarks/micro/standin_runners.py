@@ -14,6 +14,7 @@ greedy with no penalty, processor or grammar, so the sampler reads them without 
 from __future__ import annotations
 
 import time
+from typing import List, Tuple
 
 import torch
 
@@ -31,6 +32,7 @@ class ReadyLogitsRunner:
         self.token_id = token_id
         self.device_s = device_ms / 1000.0
         self.num_forwards = 0
+        self.device_spans: List[Tuple[float, float]] = []   # (start, end) of each sleep, perf_counter seconds
         self._logits = torch.zeros(0, vocab_size)
 
     @classmethod
@@ -43,7 +45,9 @@ class ReadyLogitsRunner:
         if on_launched is not None:   # the device has the forward: the host is free until it ends
             on_launched()
         if self.device_s:
+            start = time.perf_counter()
             time.sleep(self.device_s)
+            self.device_spans.append((start, time.perf_counter()))
         rows = len(inputs.sample_indices)
         if rows > self._logits.shape[0]:
             self._logits = torch.zeros(max(rows, 2 * self._logits.shape[0]), self.vocab_size)
