@@ -603,6 +603,7 @@ def test_quick_host_overhead_study(tmp_path):
         assert row["argmax_after_idle"]["median_ms"] > 0   # the overlapped worker's pass, after idling D ms
         # the overlapped worker from one forward's end to the next one's start: its draws are a part of it
         assert 0 < row["sampling_in_step"]["median_ms"] and 0 < row["between_forwards"]["median_ms"] < row["device_ms"]
+        assert 0 < row["worker_rest"]["median_ms"] < row["between_forwards"]["median_ms"]
 
 
 def test_quick_compiled_decode_study(tmp_path):

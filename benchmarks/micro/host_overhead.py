@@ -132,7 +132,7 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
         if not on_compute_thread():
             return run_on_compute_thread(time_steps, model, tokenizer, prompts, config, overlap, device_ms, timer)
     engine = _engine(model, tokenizer, len(prompts), config, overlap, device_ms)
-    sampling: List[float] = []
+    sampling: List[Tuple[float, float]] = []
     try:
         _bring_to_decode(engine, prompts, config.host_steps + 8)
         spans, first = engine.runner.device_spans, len(engine.runner.device_spans)
@@ -150,16 +150,20 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
     ms = sorted(1000 * t for t in times)
     out = {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "min_ms": ms[0], "max_ms": ms[-1],
            "running": running}
-    between = [1000 * (b[0] - a[1]) for a, b in zip(spans[first:], spans[first + 1:])]
-    if between and sampling:   # the worker's time from a forward's end to the next one's start, and its draws
-        out["between_forwards_ms"] = statistics.median(between)
-        out["sampling_ms"] = statistics.median(1000 * s for s in sampling)
+    gaps = [(a[1], b[0]) for a, b in zip(spans[first:], spans[first + 1:])]
+    if gaps and sampling:   # the worker from a forward's end to the next one's start; its draws; the rest of it
+        draws = [sum(end - start for start, end in sampling if gap_start <= start < gap_end)
+                 for gap_start, gap_end in gaps]
+        out["between_forwards_ms"] = statistics.median(1000 * (end - start) for start, end in gaps)
+        out["sampling_ms"] = statistics.median(1000 * (end - start) for start, end in sampling)
+        out["worker_rest_ms"] = statistics.median(1000 * (end - start - d) for (start, end), d in zip(gaps, draws))
     return out
 
 
 @contextlib.contextmanager
-def _durations(obj: object, name: str, into: List[float]) -> Iterator[None]:
-    """Each call of `obj.name` inside the block appends its seconds to `into` (any thread)."""
+def _durations(obj: object, name: str, into: List[Tuple[float, float]]) -> Iterator[None]:
+    """Each call of `obj.name` inside the block appends its (start, end) perf_counter seconds to `into` (any
+    thread)."""
     method = getattr(obj, name)
 
     def timed(*args, **kwargs):
@@ -167,7 +171,7 @@ def _durations(obj: object, name: str, into: List[float]) -> Iterator[None]:
         try:
             return method(*args, **kwargs)
         finally:
-            into.append(time.perf_counter() - start)
+            into.append((start, time.perf_counter()))
 
     setattr(obj, name, timed)
     try:
@@ -234,9 +238,10 @@ def measure_once(model, tokenizer, prompts: List[List[int]], config, overlap: bo
                                                          with_norms=False)
         out["ready_overlap"] = time_steps(model, tokenizer, prompts, config, True, 0.0)
         out["sleep_overlap"] = sleeping = time_steps(model, tokenizer, prompts, config, True, config.device_ms)
-        if "between_forwards_ms" in sleeping:   # the worker between two forwards, and the draws of it
+        if "between_forwards_ms" in sleeping:   # the worker between two forwards: its draws, and the rest
             out["between_forwards"] = {"median_ms": sleeping["between_forwards_ms"]}
             out["sampling_in_step"] = {"median_ms": sleeping["sampling_ms"]}
+            out["worker_rest"] = {"median_ms": sleeping["worker_rest_ms"]}
     return out
 
 
@@ -275,7 +280,7 @@ def host_table(rows: List[dict], config: dict) -> List[List[str]]:
         d = r["device_ms"]
         out.append([str(r["running"]), cell(r, "ready_sync"), cell(r, "logits_pass"), cell(r, "ready_overlap"),
                     cell(r, "sleep_sync", d), cell(r, "sleep_overlap", d), cell(r, "argmax_after_idle"),
-                    cell(r, "between_forwards"), cell(r, "sampling_in_step")])
+                    cell(r, "between_forwards"), cell(r, "sampling_in_step"), cell(r, "worker_rest")])
     return out
 
 
@@ -284,7 +289,7 @@ def host_headers(device_ms: float) -> List[str]:
     d = device_ms
     return ["running seqs", "ready: step ms", "of it: logits pass", "ready, overlap: ms", f"D={d:g} ms: step - D",
             f"D={d:g}, overlap: - D", f"of it: argmax after {d:g} ms idle", "worker between forwards",
-            "of it: draws"]
+            "of it: draws", "of it: the rest"]
 
 
 def phase_rows(rows: List[dict]) -> List[List[str]]:
@@ -360,8 +365,9 @@ def host_overhead_table(result: dict) -> str:
         f"argmax after idle: the pass the worker makes after each forward "
         f"when overlapped (argmax only), timed after sleeping D ms as the worker does, which pays for waking the "
         f"kernel's threads; worker between forwards: with overlap and D ms, the worker's time from the end of one "
-        f"forward to the start of the next (median), and of it its draws (the sampler's call on the step's logits, "
-        f"inside the step): the rest is the engine's own time on the critical path (-: not measured)")
+        f"forward to the start of the next (median), of it its draws (the sampler's call on the step's logits, "
+        f"inside the step) and the rest (per gap, the gap less its draws: the engine's own time on the critical "
+        f"path; -: not measured)")
     phases = format_table(["running seqs"] + list(HOST_PHASES), phase_rows(result["host"]),
                           "Where the ready-logits step's time goes, without overlap (ms per step)")
     return steps + "\n\n" + phases
