@@ -403,6 +403,8 @@ def test_quick_overhead_benchmark(tmp_path):
     for run in result["runs"]:
         assert run["running"] == run["batch"] and 0 < run["outside_forward_share"] < 1
         assert all(calls > 0 for calls in run["phase_calls"].values()), run["phase_calls"]  # every phase is hooked
+    for row in result["host"]:   # the stand-in rows' overlapped engines ran overlapped, the others inline
+        assert row["sleep_overlap"]["overlapped"] and not row["sleep_sync"]["overlapped"]
 
 
 def test_quick_structured_benchmark(tmp_path):
@@ -601,6 +603,10 @@ def test_quick_host_overhead_study(tmp_path):
         assert row["phase_calls"]["schedule"] > 0 and row["host_phase_ms"]["sampling"] > 0
         assert 0 < row["logits_pass"]["median_ms"] < row["ready_sync"]["median_ms"]   # a part of the step
         assert row["argmax_after_idle"]["median_ms"] > 0   # the overlapped worker's pass, after idling D ms
+        # overlapped engines are stepped from a thread of their own, so their forwards run on the compute thread
+        # (stepped from the compute thread, an overlapped engine runs every step inline: no overlap is measured)
+        assert row["ready_overlap"]["overlapped"] and row["sleep_overlap"]["overlapped"]
+        assert not row["ready_sync"]["overlapped"] and not row["sleep_sync"]["overlapped"]
         # the overlapped worker from one forward's end to the next one's start: its draws are a part of it
         assert 0 < row["sampling_in_step"]["median_ms"] and 0 < row["between_forwards"]["median_ms"] < row["device_ms"]
         assert 0 < row["worker_rest"]["median_ms"] < row["between_forwards"]["median_ms"]

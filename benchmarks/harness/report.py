@@ -29,6 +29,9 @@ class BenchmarkSpec:
     sizes: Dict[str, Dict[str, Any]]
     documented_size: str
     uses_scratch_dir: bool = False   # run(config, scratch_dir) keeps raw by-products there (never committed)
+    # run on the compute thread (below); False: in the caller, for benchmarks that step overlapped engines (an
+    # engine stepped from the compute thread runs its steps inline) and hand their torch work there themselves
+    on_compute_thread: bool = True
 
     def execute(self, config: Any, scratch_dir: Path) -> Dict[str, Any]:
         """Run on the process's compute thread, where our engines run their torch work: every system a benchmark
@@ -40,6 +43,8 @@ class BenchmarkSpec:
             result = self.run(config, scratch_dir) if self.uses_scratch_dir else self.run(config)
             return result, torch.get_num_threads()
 
+        if not self.on_compute_thread:
+            return job()[0]
         result, threads = run_on_compute_thread(job)
         torch.set_num_threads(threads)   # the thread count the benchmark chose holds for the caller too
         return result

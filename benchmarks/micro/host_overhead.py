@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -126,11 +127,13 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
     """Median and spread of `host_steps` decode steps' wall times, on a fresh engine with a stand-in runner. An
     engine without overlap runs on the compute thread, as `AsyncLLMEngine` runs one (so the process keeps one
     OpenMP team: compute_thread.py); an overlapped one is stepped from here and runs its forwards there."""
-    if not overlap:
-        from paged_backend.worker.compute_thread import on_compute_thread, run_on_compute_thread
+    from paged_backend.worker.compute_thread import on_compute_thread, run_on_compute_thread
 
-        if not on_compute_thread():
-            return run_on_compute_thread(time_steps, model, tokenizer, prompts, config, overlap, device_ms, timer)
+    if not overlap and not on_compute_thread():
+        return run_on_compute_thread(time_steps, model, tokenizer, prompts, config, overlap, device_ms, timer)
+    if overlap and on_compute_thread():
+        raise ValueError("an overlapped engine stepped from the compute thread runs every step inline: step it "
+                         "from another thread (the benchmark's spec: on_compute_thread=False)")
     engine = _engine(model, tokenizer, len(prompts), config, overlap, device_ms)
     sampling: List[Tuple[float, float]] = []
     try:
@@ -149,7 +152,7 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
         engine.shutdown()
     ms = sorted(1000 * t for t in times)
     out = {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "min_ms": ms[0], "max_ms": ms[-1],
-           "running": running}
+           "running": running, "overlapped": engine.runner.forward_threads != {threading.get_ident()}}
     gaps = [(a[1], b[0]) for a, b in zip(spans[first:], spans[first + 1:])]
     if gaps and sampling:   # the worker from a forward's end to the next one's start; its draws; the rest of it
         draws = [sum(end - start for start, end in sampling if gap_start <= start < gap_end)
@@ -220,7 +223,8 @@ def _repeated(runs: List[dict]) -> dict:
     """Interleaved repetitions of one measurement: the median of their medians, and their range."""
     medians = [r["median_ms"] for r in runs]
     return {"median_ms": statistics.median(medians), "min_ms": min(medians), "max_ms": max(medians),
-            "repetitions": runs, "running": runs[0].get("running")}
+            "repetitions": runs, "running": runs[0].get("running"),
+            "overlapped": all(r.get("overlapped", False) for r in runs)}
 
 
 def measure_once(model, tokenizer, prompts: List[List[int]], config, overlap: bool) -> Dict[str, dict]:
@@ -377,4 +381,4 @@ SPEC = BenchmarkSpec("host-overhead", HostOverheadConfig, run_host_overhead, che
                      host_overhead_table, "",
                      {"quick": {"model": "tiny-llama", "batch_sizes": (1, 8), "host_steps": 4, "device_ms": 5.0,
                                 "repetitions": 1},
-                      "full": {}}, documented_size="full")
+                      "full": {}}, documented_size="full", on_compute_thread=False)

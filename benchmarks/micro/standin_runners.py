@@ -13,8 +13,9 @@ greedy with no penalty, processor or grammar, so the sampler reads them without 
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import List, Tuple
+from typing import List, Set, Tuple
 
 import torch
 
@@ -33,6 +34,7 @@ class ReadyLogitsRunner:
         self.device_s = device_ms / 1000.0
         self.num_forwards = 0
         self.device_spans: List[Tuple[float, float]] = []   # (start, end) of each sleep, perf_counter seconds
+        self.forward_threads: Set[int] = set()   # the threads its forwards ran in
         self._logits = torch.zeros(0, vocab_size)
 
     @classmethod
@@ -42,6 +44,7 @@ class ReadyLogitsRunner:
 
     def execute(self, inputs, on_launched=None) -> torch.Tensor:
         self.num_forwards += 1
+        self.forward_threads.add(threading.get_ident())
         if on_launched is not None:   # the device has the forward: the host is free until it ends
             on_launched()
         if self.device_s:
