@@ -50,7 +50,7 @@ class LaunchedStep:
     inputs: StepInputs
     fill: Optional[TokenFill] = None
     filled: bool = False                    # its pending input ids hold the previous step's tokens (worker side)
-    successor: Optional["LaunchedStep"] = None   # the step launched after it whose inputs wait for its tokens
+    successor: Optional["LaunchedStep"] = None   # the step launched after it (fills its inputs, releases our results)
     lora_slot_of: Dict[int, int] = field(default_factory=dict)   # lora_int_id -> the device slot it runs in
     future: Optional[concurrent.futures.Future] = None   # the worker's job (its result, or how it failed)
     results: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)   # what the engine waits for
