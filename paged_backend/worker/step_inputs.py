@@ -39,6 +39,10 @@ class StepInputs:
     lora: Optional[LoRAStepInputs] = None   # None: no token of the step has an adapter
 
     def to(self, device) -> "StepInputs":
+        """The inputs on `device`: themselves when they are there already (built together, their tensors share
+        a device), so a CPU step makes no tensor call here."""
+        if self.input_ids.device == torch.device(device):
+            return self
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return StepInputs(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                              for k, v in values.items()})
