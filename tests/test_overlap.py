@@ -190,6 +190,10 @@ class SuccessorWaitingRunner(RecordingRunner):
         self.engine = engine
 
     def execute(self, inputs):
+        self.wait_for_successor(inputs)
+        return super().execute(inputs)
+
+    def wait_for_successor(self, inputs) -> None:
         import time
 
         deadline = time.monotonic() + 0.5
@@ -198,7 +202,16 @@ class SuccessorWaitingRunner(RecordingRunner):
             if launched is not None and launched.inputs is not inputs:
                 break
             time.sleep(0.001)
-        return super().execute(inputs)
+
+
+def assert_tokens_as_without_overlap(outputs, prompts, params) -> None:
+    """Each request's tokens equal those of an engine without overlap."""
+    reference = engine_with(False)
+    for request_id, prompt in prompts.items():
+        reference.add_request(request_id, prompt, params)
+    expected = run_to_completion(reference, max_steps=MAX_STEPS)
+    assert {k: o.outputs[0].token_ids for k, o in outputs.items()} == \
+        {k: o.outputs[0].token_ids for k, o in expected.items()}
 
 
 def test_a_steps_sampled_tokens_fill_the_launched_successor_before_its_results_are_released():
@@ -222,12 +235,7 @@ def test_a_steps_sampled_tokens_fill_the_launched_successor_before_its_results_a
         engine.add_request(request_id, prompt, params)
     outputs = run_to_completion(engine, max_steps=MAX_STEPS)
     assert len(late_fills) >= 5 and not any(late_fills), late_fills
-    reference = engine_with(False)
-    for request_id, prompt in prompts.items():
-        reference.add_request(request_id, prompt, params)
-    expected = run_to_completion(reference, max_steps=MAX_STEPS)
-    assert {k: o.outputs[0].token_ids for k, o in outputs.items()} == \
-        {k: o.outputs[0].token_ids for k, o in expected.items()}
+    assert_tokens_as_without_overlap(outputs, prompts, params)
     assert_no_leaks(engine)
 
 
@@ -244,12 +252,7 @@ class DeviceLikeRunner(SuccessorWaitingRunner):
     def execute(self, inputs, on_launched=None):
         import time
 
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline and self.engine.has_unfinished_requests():
-            launched = self.engine._inflight
-            if launched is not None and launched.inputs is not inputs:
-                break
-            time.sleep(0.001)
+        self.wait_for_successor(inputs)
         busy_until = time.perf_counter() + 0.003
         while time.perf_counter() < busy_until:
             pass
@@ -288,10 +291,5 @@ def test_a_steps_results_are_released_once_the_next_steps_forward_is_launched():
     early = [step for step in range(forwards - 1)
              if ("processed", step) in order and order[("processed", step)] < order[("launched", step + 1)]]
     assert forwards >= 8 and not early, (early, events)
-    reference = engine_with(False)
-    for request_id, prompt in prompts.items():
-        reference.add_request(request_id, prompt, params)
-    expected = run_to_completion(reference, max_steps=MAX_STEPS)
-    assert {k: o.outputs[0].token_ids for k, o in outputs.items()} == \
-        {k: o.outputs[0].token_ids for k, o in expected.items()}
+    assert_tokens_as_without_overlap(outputs, prompts, params)
     assert_no_leaks(engine)
