@@ -358,6 +358,8 @@ def test_quick_throughput_benchmark(tmp_path):
         row = rows[system]
         assert row["all_finished"] and row["output_tokens"] == result["trace"]["total_output_tokens"]
         assert len(row["output_tokens_per_s"]["values"]) == 2 and (row["ratio"] is None) == (system == "paged")
+    # our engines are stepped as users step them, overlapped (from a thread other than the compute thread)
+    assert all(run["overlapped"] for run in result["runs"] if run["system"] not in ("hf-static", "hf-continuous"))
     for policy in ("oracle", "pow2", "max"):  # paging batches at least as many requests in the same memory
         assert paged["avg_batch"] >= rows[policy]["avg_batch"] and paged["token_states"] > rows[policy]["token_states"]
     assert paged["avg_batch"] > rows["max"]["avg_batch"]

@@ -89,6 +89,11 @@ class _Context:
 
 
 def _run_engine(engine, ctx: _Context, system: str, kv_slots: int) -> dict:
+    """Our engine through the trace, stepped from this thread: overlapped, as a user's thread steps it (its
+    forwards and draws run on the compute thread; stepped from the compute thread itself, every step would run
+    inline)."""
+    from paged_backend.worker.compute_thread import on_compute_thread
+
     try:
         warm_up(engine, list(ctx.trace.requests[0].prompt_token_ids))
         run = run_trace(engine, ctx.trace, system, kv_slots)
@@ -96,18 +101,26 @@ def _run_engine(engine, ctx: _Context, system: str, kv_slots: int) -> dict:
         release(engine)
     row = run.as_dict()
     row["_digests"] = run.digests
+    row["overlapped"] = engine.overlapped and not on_compute_thread()
     return row
+
+
+def _run_hf(system: str, ctx: _Context) -> dict:
+    """transformers' baseline through the trace (on the compute thread: it shares our engines' OpenMP team)."""
+    runner = run_hf_static if system == "hf-static" else run_hf_continuous
+    if system == "hf-static":
+        warm_up_hf(ctx.model, ctx.tokenizer, list(ctx.trace.requests[0].prompt_token_ids))
+    run = runner(ctx.model, ctx.tokenizer, ctx.trace, ctx.config.kv_slots)
+    return {**run.as_dict(), "_digests": run.digests}
 
 
 def _run_system(system: str, ctx: _Context) -> dict:
     """One timed pass of the trace through one system."""
+    from paged_backend.worker.compute_thread import run_on_compute_thread
+
     c = ctx.config
     if system in HF_SYSTEMS:
-        runner = run_hf_static if system == "hf-static" else run_hf_continuous
-        if system == "hf-static":
-            warm_up_hf(ctx.model, ctx.tokenizer, list(ctx.trace.requests[0].prompt_token_ids))
-        run = runner(ctx.model, ctx.tokenizer, ctx.trace, c.kv_slots)
-        return {**run.as_dict(), "_digests": run.digests}
+        return run_on_compute_thread(_run_hf, system, ctx)
     if system.startswith(KV_PREFIX):
         engine = build_kv_dtype_engine(ctx.model, ctx.tokenizer, system[len(KV_PREFIX):], ctx.kv_bytes, c.block_size,
                                        c.context_limit())
@@ -141,8 +154,10 @@ def _budget_bytes(model, tokenizer, config: ThroughputConfig) -> int:
 def run_throughput(config: ThroughputConfig) -> dict:
     import torch
 
+    from paged_backend.worker.compute_thread import run_on_compute_thread
+
     threads = set_threads(config.threads)
-    model, tokenizer = load_bench_model(config.model, getattr(torch, config.dtype))
+    model, tokenizer = run_on_compute_thread(load_bench_model, config.model, getattr(torch, config.dtype))
     trace = make_trace(config.workload, tokenizer, config.num_requests, config.seed, config.max_prompt_len,
                        config.max_output_len)
     longest = max(r.total_len for r in trace.requests)
@@ -171,4 +186,4 @@ def run_throughput(config: ThroughputConfig) -> dict:
 
 
 SPEC = BenchmarkSpec("throughput", ThroughputConfig, run_throughput, check_throughput, throughput_table,
-                     "plot_throughput", SIZES, documented_size="anchor")
+                     "plot_throughput", SIZES, documented_size="anchor", on_compute_thread=False)
