@@ -36,7 +36,8 @@ class BenchmarkSpec:
     def execute(self, config: Any, scratch_dir: Path) -> Dict[str, Any]:
         """Run on the process's compute thread, where our engines run their torch work: every system a benchmark
         runs in this process (transformers' baselines too) then shares one OpenMP team (architecture.md, *One
-        OpenMP team*)."""
+        OpenMP team*). A spec with `on_compute_thread=False` runs in the caller and hands its torch work there
+        itself, so that the overlapped engines it steps overlap."""
         from paged_backend.worker.compute_thread import run_on_compute_thread
 
         def job():
