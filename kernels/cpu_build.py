@@ -1,13 +1,16 @@
-"""Build and load the CPU kernels (`cpu_attention.cpp`, `cpu_sampler.cpp`) once per machine, through ctypes.
+"""Build and load the CPU kernels (`cpu_attention.cpp`, `cpu_sampler.cpp`, `cpu_linear.cpp`) once per machine,
+through ctypes; and `cpu_linear_op.cpp` as a library of PyTorch operators (`load_torch_ops`).
 
-The sources are plain C++17 with OpenMP and no PyTorch headers, so each builds in a few seconds with the
+The kernels' sources are plain C++17 with OpenMP and no PyTorch headers, so each builds in a few seconds with the
 system compiler: `$CXX`, a command split as a shell would (`CXX="ccache g++"` runs g++ through ccache),
 else `c++`, `g++` or `clang++`. A shared library is cached under `$PAGED_BACKEND_CACHE/kernels` (default
 `~/.cache/paged_backend/kernels`), named by a hash of the sources, the flags, the compiler command and
 version and the CPU, and written atomically (parallel test processes may race). OpenMP comes from the
 `libgomp.so.1` PyTorch has already loaded, so the kernels' threads are PyTorch's. When the compiler fails,
 `load_library(name)` logs why once (a warning), returns None and keeps the reason in `build_error(name)`;
-callers fall back to PyTorch code.
+callers fall back to PyTorch code. `cpu_linear_op.cpp` is the exception: an operator that compiled code calls a
+few hundred times per step must not pass through Python, so it is built against PyTorch's headers (about 10 s,
+once per machine and PyTorch version) and loaded with `torch.ops.load_library`; its callers keep a Python version.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
                                                      _i64]),
                     # (logits, row_stride, num_rows, vocab, with_norms, tokens, log_norm, num_threads)
                     "greedy_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, ctypes.c_uint8, _p, _p, _i64])},
+    # (x, x_row_stride, weight, bias or NULL, out, out_row_stride, m, n, k, kind: 0 bfloat16 / 1 float16, num_threads)
+    "cpu_linear": {"half_linear": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]),
+                   "linear_vector_bytes": (ctypes.c_int64, [])},
 }
 
 
@@ -102,13 +108,13 @@ def _library_path(name: str, compiler: List[str], flags: List[str]) -> Path:
     return cache_root() / f"{name}-{digest}.so"
 
 
-def _compile(source: Path, compiler: List[str], flags: List[str], target: Path) -> None:
+def _compile(source: Path, compiler: List[str], flags: List[str], target: Path, libraries: Tuple[str, ...] = ()) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([*compiler, *flags, str(source), "-o", tmp], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run([*compiler, *flags, str(source), "-o", tmp, *libraries], capture_output=True,
+                                text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip()[-2000:] or f"{compiler[0]} exited with {result.returncode}")
         os.replace(tmp, target)
@@ -157,3 +163,53 @@ def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
 def build_error(name: str) -> Optional[str]:
     """Why library `name` could not be built (None when it was, or before the first attempt)."""
     return _errors.get(name)
+
+
+# Libraries of PyTorch operators (built against PyTorch's headers, loaded with torch.ops.load_library): name ->
+# the other sources of this folder it includes (part of its cache key).
+TORCH_OP_LIBRARIES: Dict[str, Tuple[str, ...]] = {"cpu_linear_op": ("cpu_linear.cpp",)}
+
+
+def _torch_flags() -> List[str]:
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    flags = ["-O3", "-march=native", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    flags += [f"-I{path}" for path in include_paths()]
+    for path in library_paths():
+        flags += [f"-L{path}", f"-Wl,-rpath,{path}"]
+    return flags
+
+
+_TORCH_LIBRARIES = ("-ltorch", "-ltorch_cpu", "-lc10")   # after the source: a linker with --as-needed drops earlier ones
+
+
+@lru_cache(maxsize=None)
+def load_torch_ops(name: str) -> bool:
+    """Build (once per machine and PyTorch version; about 10 s) and load the operator library `name` (a key of
+    TORCH_OP_LIBRARIES); False when it cannot be (the reason logged once and kept in `build_error(name)`)."""
+    import torch
+
+    _errors.pop(name, None)
+    compiler, why = compiler_command()
+    try:
+        if compiler is None:
+            raise RuntimeError(why)
+        flags = _torch_flags()
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        sources = [(HERE / f"{name}.cpp").read_text()] + [(HERE / f).read_text()
+                                                          for f in TORCH_OP_LIBRARIES[name] + HEADERS]
+        digest = hashlib.sha256("\0".join(sources + [" ".join(flags + list(_TORCH_LIBRARIES)), " ".join(compiler),
+                                                     version, torch.__version__,
+                                                     _cpu_identity()]).encode()).hexdigest()[:16]
+        path = cache_root() / f"{name}-{digest}.so"
+        if not path.exists():
+            _compile(HERE / f"{name}.cpp", compiler, flags, path, _TORCH_LIBRARIES)
+        torch.ops.load_library(str(path))
+        return True
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _errors[name] = f"could not build {name}.cpp against PyTorch's headers: {exc}"
+        logger.warning("the C++ operator library %s cannot be built; its Python version runs instead: %s", name,
+                       _errors[name])
+        return False

@@ -72,6 +72,37 @@ def test_sliding_windows_and_soft_capping_compile_with_the_same_tokens(monkeypat
     assert engine.runner.compiled.stats.eager_steps == 0 and eager_calls == [], engine.runner.compiled.stats.as_dict()
 
 
+def test_bfloat16_linear_layers_run_the_half_precision_kernel_when_compiled(monkeypatch):
+    """In bfloat16 the compiled steps' linear layers are our kernel (worker/half_linear.py) for steps of up to
+    MAX_ROWS tokens, PyTorch's GEMM for longer ones, with the greedy tokens of compiled code without the kernel
+    (`PAGED_BACKEND_HALF_LINEAR=0`). Compiled bfloat16 code itself rounds differently from the eager forward
+    (inductor computes fused bfloat16 operators in float32): on tiny-llama's random weights both compiled runs
+    leave the eager tokens after 5 steps, with or without the kernel."""
+    from paged_backend.kernels import cpu_linear
+
+    monkeypatch.setenv("PAGED_BACKEND_HALF_LINEAR", "0")
+    plain, _ = load_model("tiny-llama", dtype=torch.bfloat16)   # own copies: their linear layers may change class
+    without = LLMEngine(plain, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
+    assert without.runner.compiled.stats.half_linears == 0
+    expected = _greedy(without, PROMPTS), _greedy(without, [SOLO])
+    monkeypatch.delenv("PAGED_BACKEND_HALF_LINEAR")
+    model, _ = load_model("tiny-llama", dtype=torch.bfloat16)
+    engine = LLMEngine(model, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
+    stats = engine.runner.compiled.stats
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert stats.half_linears == linears and stats.as_dict()["half_linears"] == linears
+    calls = cpu_linear.kernel_calls()
+    assert _greedy(engine, PROMPTS) == expected[0]
+    assert stats.eager_steps == 0, stats.as_dict()
+    # 12 steps under a 16-token budget: two of more than MAX_ROWS tokens (the first chunks of the prompts), whose
+    # linear layers took PyTorch's GEMM but whose lm_head (over the sampled rows only) the kernel; ten of at most
+    # MAX_ROWS tokens (the last 3-token chunk beside two decodes, then 3-sequence decodes), all through the kernel
+    assert cpu_linear.kernel_calls() - calls == linears * 10 + 2
+    calls = cpu_linear.kernel_calls()
+    assert _greedy(engine, [SOLO]) == expected[1]
+    assert cpu_linear.kernel_calls() - calls == linears * MAX_TOKENS   # the prefill of 2 tokens, 9 decodes
+
+
 def test_a_model_that_cannot_compile_runs_eagerly_and_says_why():
     """gpt-oss routes tokens to experts by data-dependent counts, which a full graph cannot hold: both buckets
     fail to compile, say why, and every step runs eagerly with transformers' tokens."""

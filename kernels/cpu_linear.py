@@ -1,0 +1,93 @@
+"""Small-batch linear layers over bfloat16 or float16 weights through the compiled kernel (`cpu_linear.cpp`):
+each weight widened to float32 in registers, float32 sums rounded once to the weights' dtype. `half_linear` calls
+it through ctypes; `torch.ops.paged_backend.half_linear` (defined here, its C++ kernel in `cpu_linear_op.cpp`,
+loaded by `op_available`) is what the compiled forward calls, with no Python per call."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .cpu_build import build_error, load_library, load_torch_ops
+
+HALF_KINDS = {torch.bfloat16: 0, torch.float16: 1}
+# Rows of x up to which the kernel runs (beyond it a GEMM reads each weight once for many rows: PyTorch's GEMM).
+MAX_ROWS = 8
+
+
+_operators: list = []   # the torch.library.Library defining the operators' schemas, kept alive
+
+
+def available() -> bool:
+    return load_library("cpu_linear") is not None
+
+
+def define_ops() -> None:
+    """Define `paged_backend::half_linear(x, weight, bias)` (PyTorch's linear beyond what the kernel takes) and
+    `paged_backend::half_linear_kernel_calls()` (how often its kernel ran in this process), once."""
+    if not _operators:
+        library = torch.library.Library("paged_backend", "FRAGMENT")
+        library.define("half_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+        library.define("half_linear_kernel_calls() -> int")
+        _operators.append(library)
+
+
+def op_available() -> bool:
+    """Whether `torch.ops.paged_backend.half_linear` has its C++ kernel (built and loaded on first call; False
+    when it cannot be built, the reason logged once, or with `PAGED_BACKEND_HALF_LINEAR=0`)."""
+    if not enabled():
+        return False
+    define_ops()
+    return load_torch_ops("cpu_linear_op")
+
+
+def kernel_calls() -> int:
+    """How many calls of `torch.ops.paged_backend.half_linear` ran the kernel in this process (0 without it)."""
+    return int(torch.ops.paged_backend.half_linear_kernel_calls()) if op_available() else 0
+
+
+def enabled() -> bool:
+    """`PAGED_BACKEND_HALF_LINEAR=0` keeps PyTorch's linear in compiled code too (for comparison, debugging)."""
+    value = os.environ.get("PAGED_BACKEND_HALF_LINEAR", "1").strip().lower()
+    if value not in ("0", "1", "off", "on", ""):
+        raise ValueError(f"PAGED_BACKEND_HALF_LINEAR must be 1/on or 0/off, got {value!r}")
+    return value in ("1", "on", "")
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether `half_linear` takes these operands: CPU tensors of one half-precision dtype, a contiguous 2-D
+    weight (and 1-D bias), x's last dimension contiguous, at most MAX_ROWS rows in all."""
+    dtype = weight.dtype
+    if dtype not in HALF_KINDS or x.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    if weight.dim() != 2 or not weight.is_contiguous() or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return False
+    if bias is not None and (bias.dtype != dtype or bias.dim() != 1 or not bias.is_contiguous()
+                             or bias.shape[0] != weight.shape[0]):
+        return False
+    return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`x @ weight.T + bias` for operands `supports` accepts (ValueError naming what is not)."""
+    library = load_library("cpu_linear")
+    if library is None:
+        raise RuntimeError(f"the CPU half-precision linear kernel is not available: {build_error('cpu_linear')}")
+    if not supports(x, weight, bias):
+        raise ValueError(f"half_linear takes CPU bfloat16/float16 operands of one dtype, a contiguous [out, in] "
+                         f"weight and at most {MAX_ROWS} rows; got x {x.dtype} {tuple(x.shape)}, weight "
+                         f"{weight.dtype} {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}), bias "
+                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=weight.dtype)
+    status = library.half_linear(rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else rows.shape[1],
+                                 weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 out.stride(0), rows.shape[0], weight.shape[0], weight.shape[1],
+                                 HALF_KINDS[weight.dtype], torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"half_linear: the kernel refused its arguments (status {status})")
+    return out.reshape(*x.shape[:-1], weight.shape[0])

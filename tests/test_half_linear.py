@@ -1,0 +1,155 @@
+"""The half-precision linear kernel (`kernels/cpu_linear.cpp`) and its operator in the compiled forward
+(`kernels/cpu_linear_op.cpp`, `worker/half_linear.py`): exact where the sums are exact, within one rounding
+elsewhere, refusals by name, PyTorch's linear wherever the kernel does not apply. The engine's compiled steps:
+tests/test_compiled_forward.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged_backend.kernels import cpu_linear
+from paged_backend.worker.half_linear import HalfLinear, use_half_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no C++ compiler: the kernel cannot be built")
+
+HALVES = [torch.bfloat16, torch.float16]
+
+
+def _integers(shape, generator, low=-8, high=9) -> torch.Tensor:
+    return torch.randint(low, high, shape, generator=generator).to(torch.float64)
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return (out if b is None else out + b.double()).to(w.dtype)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("in_features", [576, 67])   # a multiple of every vector width, and a tail
+def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features):
+    """Small integers: every product and partial sum is exact in float32, so the result is the exact sum rounded
+    once to the dtype, whatever the order of the additions; any misplaced row, column or tail element shows."""
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    out_features = 37   # odd: the kernel's last weight row is read alone
+    for bias in (None, _integers((out_features,), g)):
+        x = _integers((rows, in_features), g).to(dtype)
+        w = _integers((out_features, in_features), g).to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        got = cpu_linear.half_linear(x, w, b)
+        assert got.dtype == dtype and got.shape == (rows, out_features)
+        assert torch.equal(got, _exact(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "fp16"])
+def test_random_operands_are_within_one_rounding_of_the_exact_sum(dtype):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 1536, generator=g).to(dtype)
+    w = (torch.randn(200, 1536, generator=g) * 0.05).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype)
+    got, exact = cpu_linear.half_linear(x, w, b).double(), _exact(x, w, b).double()
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    assert ((got - exact).abs() <= exact.abs() * ulp + 1e-6).all()
+    assert (got == exact).float().mean() > 0.9   # float32 sums rarely round to another neighbour
+
+
+def test_strided_and_batched_inputs():
+    """x may be a view with a row stride (a slice of wider rows) and have leading dimensions."""
+    g = torch.Generator().manual_seed(3)
+    wide = _integers((2, 3, 100), g).to(torch.bfloat16)
+    x = wide[..., :64]
+    w = _integers((16, 64), g).to(torch.bfloat16)
+    got = cpu_linear.half_linear(x, w)
+    assert got.shape == (2, 3, 16)
+    assert torch.equal(got, _exact(x.reshape(6, 64), w, None).reshape(2, 3, 16))
+    column = _integers((64, 2), g).to(torch.bfloat16)[:, 0]   # one row whose elements are strided
+    assert torch.equal(cpu_linear.half_linear(column, w), _exact(column[None], w, None)[0])
+
+
+def test_nan_and_infinity_propagate():
+    x = torch.ones(1, 32, dtype=torch.bfloat16)
+    w = torch.ones(3, 32, dtype=torch.bfloat16)
+    w[1, 5] = float("nan")
+    w[2, 7] = float("inf")
+    got = cpu_linear.half_linear(x, w)
+    assert got[0, 0] == 32 and torch.isnan(got[0, 1]) and got[0, 2] == float("inf")
+
+
+@pytest.mark.parametrize("case", ["float32", "mixed dtypes", "too many rows", "strided weight", "bias shape"])
+def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    w = torch.ones(4, 8, dtype=torch.bfloat16)
+    b = None
+    if case == "float32":
+        x, w = x.float(), w.float()
+    elif case == "mixed dtypes":
+        x = x.to(torch.float16)
+    elif case == "too many rows":
+        x = torch.ones(cpu_linear.MAX_ROWS + 1, 8, dtype=torch.bfloat16)
+    elif case == "strided weight":
+        w = torch.ones(8, 4, dtype=torch.bfloat16).T
+    else:
+        b = torch.ones(5, dtype=torch.bfloat16)
+    assert not cpu_linear.supports(x, w, b)
+    with pytest.raises(ValueError, match="half_linear takes"):
+        cpu_linear.half_linear(x, w, b)
+    # the operator runs PyTorch's linear there instead, bit for bit, and its kernel does not run (mixed dtypes and
+    # a bias of the wrong shape are PyTorch's errors then)
+    assert cpu_linear.op_available()
+    calls = cpu_linear.kernel_calls()
+    if case in ("float32", "too many rows", "strided weight"):
+        assert torch.equal(torch.ops.paged_backend.half_linear(x, w, b), F.linear(x, w, b))
+    else:
+        with pytest.raises(RuntimeError):
+            torch.ops.paged_backend.half_linear(x, w, b)
+    assert cpu_linear.kernel_calls() == calls
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "fp16"])
+def test_the_operator_runs_the_kernel_for_few_rows(dtype):
+    """The C++ operator gives the ctypes path's bits (the same kernel) for 1 to MAX_ROWS rows in any leading
+    shape, a bias included, and counts each run."""
+    assert cpu_linear.op_available()
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 96, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    for shape in [(1, 1, 96), (1, 3, 96), (cpu_linear.MAX_ROWS, 96), (2, 2, 2, 96)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        calls = cpu_linear.kernel_calls()
+        got = torch.ops.paged_backend.half_linear(x, w, b)
+        assert cpu_linear.kernel_calls() == calls + 1
+        assert got.shape == (*shape[:-1], 40) and torch.equal(got, cpu_linear.half_linear(x, w, b))
+
+
+def test_use_half_linear_swaps_half_precision_linears_and_eager_calls_stay_pytorchs(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 8).to(torch.float16))
+    assert use_half_linear(model) == 2
+    assert [type(m) for m in model] == [HalfLinear, torch.nn.Linear, HalfLinear]
+    calls = cpu_linear.kernel_calls()
+    x = torch.randn(1, 8)
+    assert torch.equal(model[0](x.bfloat16()), F.linear(x.bfloat16(), model[0].weight, model[0].bias))
+    assert cpu_linear.kernel_calls() == calls   # eagerly: PyTorch's linear, the one compared with transformers
+    off = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    monkeypatch.setenv("PAGED_BACKEND_HALF_LINEAR", "0")
+    assert use_half_linear(off) == 0 and type(off) is torch.nn.Linear
+    monkeypatch.setenv("PAGED_BACKEND_HALF_LINEAR", "maybe")
+    with pytest.raises(ValueError, match="PAGED_BACKEND_HALF_LINEAR"):
+        use_half_linear(off)
+
+
+def test_the_compiled_graph_calls_the_operator():
+    """Traced (no code generated: aot_eager), a HalfLinear is the operator, whose kernel runs for few rows."""
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    assert use_half_linear(layer) == 1
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 64).bfloat16()
+    calls = cpu_linear.kernel_calls()
+    with torch.no_grad():
+        assert torch.equal(compiled(x), cpu_linear.half_linear(x, layer.weight, layer.bias))
+        assert cpu_linear.kernel_calls() == calls + 1
+        many = torch.randn(cpu_linear.MAX_ROWS + 1, 64).bfloat16()
+        assert torch.equal(compiled(many), F.linear(many, layer.weight, layer.bias))   # PyTorch's GEMM there
+    assert cpu_linear.kernel_calls() == calls + 1
