@@ -13,8 +13,11 @@ import torch
 from .cpu_build import build_error, load_library, load_torch_ops
 
 HALF_KINDS = {torch.bfloat16: 0, torch.float16: 1}
-# Rows of x up to which the kernel runs (beyond it a GEMM reads each weight once for many rows: PyTorch's GEMM).
-MAX_ROWS = 8
+# Where oneDNN multiplies the dtype natively (AMX, AVX512_BF16 / AVX512_FP16), the operator runs the kernel up to
+# this many rows of x and PyTorch's GEMM beyond; elsewhere PyTorch's half-precision products take one dot product
+# per output element (smollm2's linear layers at 32 rows: 340 ms against the kernel's 64 on an AVX2 EPYC), so
+# the kernel takes every row count.
+NATIVE_MAX_ROWS = 8
 
 
 _operators: list = []   # the torch.library.Library defining the operators' schemas, kept alive
@@ -25,11 +28,12 @@ def available() -> bool:
 
 
 def define_ops() -> None:
-    """Define `paged_backend::half_linear(x, weight, bias)` (PyTorch's linear beyond what the kernel takes) and
+    """Define `paged_backend::half_linear(x, weight, bias, max_rows)` (the kernel for operands it takes and at most
+    `max_rows` rows when max_rows > 0, PyTorch's linear otherwise) and
     `paged_backend::half_linear_kernel_calls()` (how often its kernel ran in this process), once."""
     if not _operators:
         library = torch.library.Library("paged_backend", "FRAGMENT")
-        library.define("half_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+        library.define("half_linear(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor")
         library.define("half_linear_kernel_calls() -> int")
         _operators.append(library)
 
@@ -56,9 +60,20 @@ def enabled() -> bool:
     return value in ("1", "on", "")
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+def max_rows(dtype: torch.dtype) -> int:
+    """The operator's row limit for the kernel on this CPU: NATIVE_MAX_ROWS where oneDNN has native `dtype`
+    matmuls, else 0 (no limit)."""
+    from .cpu_features import onednn_half_matmuls
+
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
+    if name is None:
+        raise ValueError(f"max_rows is for bfloat16 and float16, not {dtype}")
+    return NATIVE_MAX_ROWS if onednn_half_matmuls()[name] else 0
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], rows_limit: int = 0) -> bool:
     """Whether `half_linear` takes these operands: CPU tensors of one half-precision dtype, a contiguous 2-D
-    weight (and 1-D bias), x's last dimension contiguous, at most MAX_ROWS rows in all."""
+    weight (and 1-D bias), at least one row of x and, when rows_limit > 0, at most that many."""
     dtype = weight.dtype
     if dtype not in HALF_KINDS or x.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
@@ -67,7 +82,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if bias is not None and (bias.dtype != dtype or bias.dim() != 1 or not bias.is_contiguous()
                              or bias.shape[0] != weight.shape[0]):
         return False
-    return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows >= 1 and weight.shape[1] > 0 and (rows_limit <= 0 or rows <= rows_limit)
 
 
 def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -77,7 +93,7 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         raise RuntimeError(f"the CPU half-precision linear kernel is not available: {build_error('cpu_linear')}")
     if not supports(x, weight, bias):
         raise ValueError(f"half_linear takes CPU bfloat16/float16 operands of one dtype, a contiguous [out, in] "
-                         f"weight and at most {MAX_ROWS} rows; got x {x.dtype} {tuple(x.shape)}, weight "
+                         f"weight and at least one row; got x {x.dtype} {tuple(x.shape)}, weight "
                          f"{weight.dtype} {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}), bias "
                          f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
     rows = x.reshape(-1, x.shape[-1])

@@ -4,9 +4,9 @@
 // itself at batch 1. This file is the one CPU source built against PyTorch's headers (cpu_build.py,
 // `load_torch_ops`); the kernel is cpu_linear.cpp's, compiled into it.
 //
-// Operands the kernel takes (one half-precision dtype, a contiguous [out, in] weight, x's rows contiguous, at most
-// kMaxOpRows rows) run it; any other call is PyTorch's `linear`. The schema is defined in Python
-// (paged_backend/worker/half_linear.py) before this library is loaded.
+// Operands the kernel takes (one half-precision dtype, a contiguous [out, in] weight, at most `max_rows` rows of x
+// when max_rows > 0) run it; any other call is PyTorch's `linear`. The schema is defined in Python
+// (kernels/cpu_linear.py, `define_ops`) before this library is loaded.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,10 +21,10 @@
 
 namespace {
 
-constexpr int64_t kMaxOpRows = 8;   // kernels/cpu_linear.py: MAX_ROWS
 std::atomic<int64_t> kernel_calls{0};
 
-bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  int64_t max_rows) {
   const auto dtype = weight.scalar_type();
   if ((dtype != at::kBFloat16 && dtype != at::kHalf) || x.scalar_type() != dtype) return false;
   if (!x.device().is_cpu() || !weight.device().is_cpu() || weight.dim() != 2 || !weight.is_contiguous()) return false;
@@ -33,11 +33,12 @@ bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const std::opti
                            bias->size(0) != weight.size(0) || !bias->device().is_cpu()))
     return false;
   const int64_t rows = x.numel() / weight.size(1);
-  return rows >= 1 && rows <= kMaxOpRows;
+  return rows >= 1 && (max_rows <= 0 || rows <= max_rows);
 }
 
-at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (!kernel_takes(x, weight, bias)) return at::linear(x, weight, bias);
+at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           int64_t max_rows) {
+  if (!kernel_takes(x, weight, bias, max_rows)) return at::linear(x, weight, bias);
   const int64_t k = weight.size(1), n = weight.size(0);
   at::Tensor rows = x.reshape({-1, k});
   if (rows.stride(1) != 1) rows = rows.contiguous();

@@ -73,8 +73,9 @@ def test_sliding_windows_and_soft_capping_compile_with_the_same_tokens(monkeypat
 
 
 def test_bfloat16_linear_layers_run_the_half_precision_kernel_when_compiled(monkeypatch):
-    """In bfloat16 the compiled steps' linear layers are our kernel (worker/half_linear.py) for steps of up to
-    MAX_ROWS tokens, PyTorch's GEMM for longer ones, with the greedy tokens of compiled code without the kernel
+    """In bfloat16 the compiled steps' linear layers are our kernel (worker/half_linear.py): for every step where
+    oneDNN converts bfloat16 to float32, for steps of up to 8 tokens where it has native bfloat16 matmuls (PyTorch's
+    GEMM for longer ones); the greedy tokens are those of compiled code without the kernel
     (`PAGED_BACKEND_HALF_LINEAR=0`). Compiled bfloat16 code itself rounds differently from the eager forward
     (inductor computes fused bfloat16 operators in float32): on tiny-llama's random weights both compiled runs
     leave the eager tokens after 5 steps, with or without the kernel."""
@@ -94,10 +95,11 @@ def test_bfloat16_linear_layers_run_the_half_precision_kernel_when_compiled(monk
     calls = cpu_linear.kernel_calls()
     assert _greedy(engine, PROMPTS) == expected[0]
     assert stats.eager_steps == 0, stats.as_dict()
-    # 12 steps under a 16-token budget: two of more than MAX_ROWS tokens (the first chunks of the prompts), whose
-    # linear layers took PyTorch's GEMM but whose lm_head (over the sampled rows only) the kernel; ten of at most
-    # MAX_ROWS tokens (the last 3-token chunk beside two decodes, then 3-sequence decodes), all through the kernel
-    assert cpu_linear.kernel_calls() - calls == linears * 10 + 2
+    # 12 steps under a 16-token budget: two of more than 8 tokens (the first chunks of the prompts), whose linear
+    # layers take PyTorch's GEMM under a row limit of 8, but not their lm_head (over the sampled rows only); ten of
+    # at most 8 tokens (the last 3-token chunk beside two decodes, then 3-sequence decodes)
+    limited = cpu_linear.max_rows(torch.bfloat16) == 8
+    assert cpu_linear.kernel_calls() - calls == (linears * 10 + 2 if limited else linears * 12)
     calls = cpu_linear.kernel_calls()
     assert _greedy(engine, [SOLO]) == expected[1]
     assert cpu_linear.kernel_calls() - calls == linears * MAX_TOKENS   # the prefill of 2 tokens, 9 decodes

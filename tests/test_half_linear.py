@@ -77,7 +77,7 @@ def test_nan_and_infinity_propagate():
     assert got[0, 0] == 32 and torch.isnan(got[0, 1]) and got[0, 2] == float("inf")
 
 
-@pytest.mark.parametrize("case", ["float32", "mixed dtypes", "too many rows", "strided weight", "bias shape"])
+@pytest.mark.parametrize("case", ["float32", "mixed dtypes", "no rows", "strided weight", "bias shape"])
 def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
     x = torch.ones(2, 8, dtype=torch.bfloat16)
     w = torch.ones(4, 8, dtype=torch.bfloat16)
@@ -86,8 +86,8 @@ def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
         x, w = x.float(), w.float()
     elif case == "mixed dtypes":
         x = x.to(torch.float16)
-    elif case == "too many rows":
-        x = torch.ones(cpu_linear.MAX_ROWS + 1, 8, dtype=torch.bfloat16)
+    elif case == "no rows":
+        x = torch.ones(0, 8, dtype=torch.bfloat16)
     elif case == "strided weight":
         w = torch.ones(8, 4, dtype=torch.bfloat16).T
     else:
@@ -99,28 +99,43 @@ def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
     # a bias of the wrong shape are PyTorch's errors then)
     assert cpu_linear.op_available()
     calls = cpu_linear.kernel_calls()
-    if case in ("float32", "too many rows", "strided weight"):
-        assert torch.equal(torch.ops.paged_backend.half_linear(x, w, b), F.linear(x, w, b))
+    if case in ("float32", "no rows", "strided weight"):
+        assert torch.equal(torch.ops.paged_backend.half_linear(x, w, b, 0), F.linear(x, w, b))
     else:
         with pytest.raises(RuntimeError):
-            torch.ops.paged_backend.half_linear(x, w, b)
+            torch.ops.paged_backend.half_linear(x, w, b, 0)
     assert cpu_linear.kernel_calls() == calls
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "fp16"])
-def test_the_operator_runs_the_kernel_for_few_rows(dtype):
-    """The C++ operator gives the ctypes path's bits (the same kernel) for 1 to MAX_ROWS rows in any leading
-    shape, a bias included, and counts each run."""
+def test_the_operator_runs_the_kernel_up_to_its_row_limit(dtype):
+    """The C++ operator gives the ctypes path's bits (the same kernel) in any leading shape, a bias included,
+    and counts each run; above a positive row limit it is PyTorch's linear, bit for bit."""
     assert cpu_linear.op_available()
     g = torch.Generator().manual_seed(11)
     w = torch.randn(40, 96, generator=g).to(dtype)
     b = torch.randn(40, generator=g).to(dtype)
-    for shape in [(1, 1, 96), (1, 3, 96), (cpu_linear.MAX_ROWS, 96), (2, 2, 2, 96)]:
+    for shape in [(1, 1, 96), (1, 3, 96), (8, 96), (2, 2, 2, 96), (1, 33, 96)]:
         x = torch.randn(*shape, generator=g).to(dtype)
-        calls = cpu_linear.kernel_calls()
-        got = torch.ops.paged_backend.half_linear(x, w, b)
-        assert cpu_linear.kernel_calls() == calls + 1
-        assert got.shape == (*shape[:-1], 40) and torch.equal(got, cpu_linear.half_linear(x, w, b))
+        rows = x.numel() // 96
+        for limit in (0, 8):
+            calls = cpu_linear.kernel_calls()
+            got = torch.ops.paged_backend.half_linear(x, w, b, limit)
+            assert got.shape == (*shape[:-1], 40)
+            if limit and rows > limit:
+                assert cpu_linear.kernel_calls() == calls and torch.equal(got, F.linear(x, w, b))
+            else:
+                assert cpu_linear.kernel_calls() == calls + 1 and torch.equal(got, cpu_linear.half_linear(x, w, b))
+
+
+def test_the_row_limit_follows_onednns_native_half_precision(monkeypatch):
+    from paged_backend.kernels import cpu_features
+
+    for native, limit in ((True, cpu_linear.NATIVE_MAX_ROWS), (False, 0)):
+        monkeypatch.setattr(cpu_features, "onednn_half_matmuls", lambda: {"bfloat16": native, "float16": False})
+        assert cpu_linear.max_rows(torch.bfloat16) == limit and cpu_linear.max_rows(torch.float16) == 0
+    with pytest.raises(ValueError, match="bfloat16 and float16"):
+        cpu_linear.max_rows(torch.float32)
 
 
 def test_use_half_linear_swaps_half_precision_linears_and_eager_calls_stay_pytorchs(monkeypatch):
@@ -140,16 +155,20 @@ def test_use_half_linear_swaps_half_precision_linears_and_eager_calls_stay_pytor
         use_half_linear(off)
 
 
-def test_the_compiled_graph_calls_the_operator():
-    """Traced (no code generated: aot_eager), a HalfLinear is the operator, whose kernel runs for few rows."""
+@pytest.mark.parametrize("limit", [0, 8])
+def test_the_compiled_graph_calls_the_operator(limit):
+    """Traced (no code generated: aot_eager), a HalfLinear is the operator with its row limit."""
     layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
     assert use_half_linear(layer) == 1
+    assert layer.half_max_rows == cpu_linear.max_rows(torch.bfloat16)
+    layer.half_max_rows = limit
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 64).bfloat16()
+    many = torch.randn(9, 64).bfloat16()
     calls = cpu_linear.kernel_calls()
     with torch.no_grad():
         assert torch.equal(compiled(x), cpu_linear.half_linear(x, layer.weight, layer.bias))
         assert cpu_linear.kernel_calls() == calls + 1
-        many = torch.randn(cpu_linear.MAX_ROWS + 1, 64).bfloat16()
-        assert torch.equal(compiled(many), F.linear(many, layer.weight, layer.bias))   # PyTorch's GEMM there
-    assert cpu_linear.kernel_calls() == calls + 1
+        expected = F.linear if limit else cpu_linear.half_linear   # 9 rows: PyTorch's GEMM above a limit of 8
+        assert torch.equal(compiled(many), expected(many, layer.weight, layer.bias))
+    assert cpu_linear.kernel_calls() == calls + 1 + (limit == 0)
