@@ -38,8 +38,9 @@ def kernel_backend(tensor: torch.Tensor) -> str:
 
 def kernels_in_use(device: Union[str, torch.device] = "cpu") -> Dict[str, str]:
     """The implementation each op runs on tensors of `device`: `attention` is 'triton', 'cpp' or 'torch' (as
-    `kernel_backend` picks it), `sampler` 'cpp' or 'torch' (as `sample_rows` picks it), `half_linear` what
-    compiled code runs for bfloat16/float16 linear layers at a few rows: 'cpp' (cpu_linear.cpp) or 'torch'.
+    `kernel_backend` picks it), `sampler` 'cpp' or 'torch' (as `sample_rows` picks it), `linear_rows` what
+    compiled code may run for linear layers: 'cpp' (cpu_linear.cpp, for the dtypes and row counts
+    `cpu_linear.max_rows` gives on this CPU) or 'torch'.
     Builds the C++ kernels if they have not been built yet."""
     from . import cpu_linear, cpu_sampling
 
@@ -48,7 +49,7 @@ def kernels_in_use(device: Union[str, torch.device] = "cpu") -> Dict[str, str]:
     cpp_sampler = probe.device.type == "cpu" and attention == "cpp" and cpu_sampling.available()
     cpp_linear = probe.device.type == "cpu" and attention == "cpp" and cpu_linear.op_available()
     return {"attention": attention, "sampler": "cpp" if cpp_sampler else "torch",
-            "half_linear": "cpp" if cpp_linear else "torch"}
+            "linear_rows": "cpp" if cpp_linear else "torch"}
 
 
 def kernel_fallback_reasons() -> Dict[str, str]:

@@ -62,7 +62,7 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
                     # (logits, row_stride, num_rows, vocab, with_norms, tokens, log_norm, num_threads)
                     "greedy_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, ctypes.c_uint8, _p, _p, _i64])},
     # (x, x_row_stride, weight, bias or NULL, out, out_row_stride, m, n, k, kind: 0 bfloat16 / 1 float16, num_threads)
-    "cpu_linear": {"half_linear": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]),
+    "cpu_linear": {"linear_rows": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]),
                    "linear_vector_bytes": (ctypes.c_int64, [])},
 }
 

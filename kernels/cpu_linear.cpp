@@ -1,12 +1,13 @@
-// Small-batch linear layers over half-precision weights (bfloat16 or float16) on the CPU: out = x W^T (+ bias).
+// Linear layers at few rows on the CPU: out = x W^T (+ bias), weights in bfloat16, float16 or float32.
 //
 // A decode step at batch 1 reads every weight once and does two flops per weight: it is a matrix-vector product
-// bound by memory bandwidth, where half-precision weights should take half float32's time. PyTorch's bfloat16
-// and float16 products at batch 1 reach a fraction of the bandwidth on CPUs without native half-precision dot
-// products; this kernel widens each weight to float32 in registers (bfloat16: a 16-bit shift; float16: F16C's
-// conversion where the build targets it) and accumulates in float32, each weight row read once for up to
-// kMaxRows rows of x. The result is rounded to the weights' dtype once (round to nearest even), as PyTorch's
-// float32-accumulating half-precision GEMMs do; the order of the additions differs from theirs.
+// bound by memory bandwidth. PyTorch's products reach a fraction of the bandwidth there on some CPUs: bfloat16
+// and float16 where the CPU has no native half-precision dot products (at more rows they take one dot product
+// per output element), float32 where MKL runs on an AMD EPYC (11.8 GB/s of 33 at batch 1). This kernel streams
+// four weight rows at a time, each read once for up to kMaxRows rows of x, widens half-precision weights to
+// float32 in registers (bfloat16: a 16-bit shift; float16: F16C's conversion where the build targets it) and
+// accumulates in float32. Half-precision results are rounded to the weights' dtype once (round to nearest even),
+// as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions differs from theirs.
 //
 // Plain C++17 with GCC/Clang vector extensions and OpenMP (cpu_build.py builds it with -march=native).
 
@@ -16,6 +17,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 #include <cstring>
 #include <vector>
 
@@ -33,7 +35,11 @@ typedef uint16_t HalfBits __attribute__((vector_size(kVectorBytes / 2)));
 typedef uint32_t WideBits __attribute__((vector_size(kVectorBytes)));
 typedef _Float16 HalfVector __attribute__((vector_size(kVectorBytes / 2)));
 
-enum HalfKind : int64_t { kBFloat16 = 0, kFloat16 = 1 };
+enum WeightKind : int64_t { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+
+// The element type of a kind's operands.
+template <int64_t Kind>
+using Element = typename std::conditional<Kind == kFloat32, float, uint16_t>::type;
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -64,8 +70,10 @@ inline uint16_t float_to_f16(float f) {
 }
 
 template <int64_t Kind>
-inline FloatVector widen(const uint16_t* p) {
-  if constexpr (Kind == kBFloat16) {
+inline FloatVector widen(const Element<Kind>* p) {
+  if constexpr (Kind == kFloat32) {
+    return cpu_kernels::load<float>(p);
+  } else if constexpr (Kind == kBFloat16) {
     FloatVector f;
 #if defined(__AVX512F__)   // one zero-extension and one shift (the generic code splits the register in two)
     const __m512 v = _mm512_castsi512_ps(
@@ -102,21 +110,29 @@ inline FloatVector widen(const uint16_t* p) {
 }
 
 template <int64_t Kind>
-inline float widen_one(uint16_t h) {
-  return Kind == kBFloat16 ? bf16_to_float(h) : f16_to_float(h);
+inline float widen_one(Element<Kind> h) {
+  if constexpr (Kind == kFloat32) return h;
+  else return Kind == kBFloat16 ? bf16_to_float(h) : f16_to_float(h);
+}
+
+template <int64_t Kind>
+inline Element<Kind> narrow(float s) {
+  if constexpr (Kind == kFloat32) return s;
+  else return Kind == kBFloat16 ? float_to_bf16(s) : float_to_f16(s);
 }
 
 // Dot products of weight rows [j, j + R) with M rows of x (float32, row stride k): sums[m * n + j + r]. R rows
 // at a time keep R independent streams of weights in flight (a matrix-vector product waits on memory, not on
 // arithmetic) and load each x vector once for R rows.
 template <int64_t Kind, int64_t M, int64_t R>
-inline void dot_tile(const uint16_t* weight, int64_t k, const float* x, int64_t j, float* sums, int64_t n) {
+inline void dot_tile(const Element<Kind>* weight, int64_t k, const float* x, int64_t j, float* sums, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(Element<Kind>);   // elements per cache line
   const int64_t vec_end = k - k % L;
-  const uint16_t* w = weight + j * k;
+  const Element<Kind>* w = weight + j * k;
   FloatVector acc[R][M] = {};
   for (int64_t i = 0; i < vec_end; i += L) {
     FloatVector a[R];
-    if ((i & 31) == 0)   // once per 64-byte line: the next tile's rows, a tile ahead of the reads
+    if (i % kLine == 0)   // once per 64-byte line: the next tile's rows, a tile ahead of the reads
       for (int64_t r = 0; r < R; ++r) __builtin_prefetch(w + (R + r) * k + i);
     for (int64_t r = 0; r < R; ++r) a[r] = widen<Kind>(w + r * k + i);
     for (int64_t m = 0; m < M; ++m) {
@@ -133,7 +149,7 @@ inline void dot_tile(const uint16_t* weight, int64_t k, const float* x, int64_t 
 }
 
 template <int64_t Kind, int64_t M>
-void dot_rows(const uint16_t* weight, int64_t k, const float* x, int64_t n0, int64_t n1, float* sums, int64_t n) {
+void dot_rows(const Element<Kind>* weight, int64_t k, const float* x, int64_t n0, int64_t n1, float* sums, int64_t n) {
   constexpr int64_t R = M <= 2 ? 4 : 2;
   int64_t j = n0;
   for (; j + R <= n1; j += R) dot_tile<Kind, M, R>(weight, k, x, j, sums, n);
@@ -141,7 +157,7 @@ void dot_rows(const uint16_t* weight, int64_t k, const float* x, int64_t n0, int
 }
 
 template <int64_t Kind>
-void dot_block(int64_t rows, const uint16_t* weight, int64_t k, const float* x, int64_t n0, int64_t n1, float* sums,
+void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float* x, int64_t n0, int64_t n1, float* sums,
                int64_t n) {
   switch (rows) {
     case 1: dot_rows<Kind, 1>(weight, k, x, n0, n1, sums, n); break;
@@ -152,7 +168,8 @@ void dot_block(int64_t rows, const uint16_t* weight, int64_t k, const float* x, 
 }
 
 template <int64_t Kind>
-void linear(const uint16_t* x, int64_t x_stride, const uint16_t* weight, const uint16_t* bias, uint16_t* out,
+void linear(const Element<Kind>* x, int64_t x_stride, const Element<Kind>* weight, const Element<Kind>* bias,
+            Element<Kind>* out,
             int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t num_threads) {
   thread_local std::vector<float> wide, sums;   // x in float32, and the float32 results before rounding
   wide.resize(static_cast<size_t>(m * k));
@@ -174,7 +191,7 @@ void linear(const uint16_t* x, int64_t x_stride, const uint16_t* weight, const u
     for (int64_t j = 0; j < n; ++j) {
       float s = sums[r * n + j];
       if (bias != nullptr) s += widen_one<Kind>(bias[j]);
-      out[r * out_stride + j] = Kind == kBFloat16 ? float_to_bf16(s) : float_to_f16(s);
+      out[r * out_stride + j] = narrow<Kind>(s);
     }
 }
 
@@ -182,19 +199,21 @@ void linear(const uint16_t* x, int64_t x_stride, const uint16_t* weight, const u
 
 extern "C" {
 
-// out[m, n] = x[m, k] W[n, k]^T (+ bias[n]), all of one half-precision kind (0: bfloat16, 1: float16); x and out
+// out[m, n] = x[m, k] W[n, k]^T (+ bias[n]), all of one kind (0: bfloat16, 1: float16, 2: float32); x and out
 // have row strides, W and bias are contiguous. Returns 0, or -1 for an unknown kind or a bad size.
-int half_linear(const void* x, int64_t x_stride, const void* weight, const void* bias, void* out,
+int linear_rows(const void* x, int64_t x_stride, const void* weight, const void* bias, void* out,
                 int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t kind, int64_t num_threads) {
   if (m < 0 || n < 0 || k < 0 || x_stride < k || out_stride < n) return -1;
-  const auto* xs = static_cast<const uint16_t*>(x);
-  const auto* ws = static_cast<const uint16_t*>(weight);
-  const auto* bs = static_cast<const uint16_t*>(bias);
-  auto* os = static_cast<uint16_t*>(out);
-  if (kind == kBFloat16) {
-    linear<kBFloat16>(xs, x_stride, ws, bs, os, out_stride, m, n, k, num_threads);
-  } else if (kind == kFloat16) {
-    linear<kFloat16>(xs, x_stride, ws, bs, os, out_stride, m, n, k, num_threads);
+  if (kind == kBFloat16 || kind == kFloat16) {
+    const auto* xs = static_cast<const uint16_t*>(x);
+    const auto* ws = static_cast<const uint16_t*>(weight);
+    const auto* bs = static_cast<const uint16_t*>(bias);
+    auto* os = static_cast<uint16_t*>(out);
+    if (kind == kBFloat16) linear<kBFloat16>(xs, x_stride, ws, bs, os, out_stride, m, n, k, num_threads);
+    else linear<kFloat16>(xs, x_stride, ws, bs, os, out_stride, m, n, k, num_threads);
+  } else if (kind == kFloat32) {
+    linear<kFloat32>(static_cast<const float*>(x), x_stride, static_cast<const float*>(weight),
+                     static_cast<const float*>(bias), static_cast<float*>(out), out_stride, m, n, k, num_threads);
   } else {
     return -1;
   }

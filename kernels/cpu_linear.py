@@ -1,23 +1,26 @@
-"""Small-batch linear layers over bfloat16 or float16 weights through the compiled kernel (`cpu_linear.cpp`):
-each weight widened to float32 in registers, float32 sums rounded once to the weights' dtype. `half_linear` calls
-it through ctypes; `torch.ops.paged_backend.half_linear` (defined here, its C++ kernel in `cpu_linear_op.cpp`,
-loaded by `op_available`) is what the compiled forward calls, with no Python per call."""
+"""Linear layers at few rows through the compiled kernel (`cpu_linear.cpp`): bfloat16, float16 or float32 weights,
+float32 sums (rounded once to a half-precision dtype). `linear_rows` calls it through ctypes;
+`torch.ops.paged_backend.linear_rows` (defined here, its C++ kernel in `cpu_linear_op.cpp`, loaded by
+`op_available`) is what the compiled forward calls, with no Python per call; `max_rows` says for which dtypes and
+row counts this CPU runs it."""
 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .cpu_build import build_error, load_library, load_torch_ops
 
-HALF_KINDS = {torch.bfloat16: 0, torch.float16: 1}
-# Where oneDNN multiplies the dtype natively (AMX, AVX512_BF16 / AVX512_FP16), the operator runs the kernel up to
-# this many rows of x and PyTorch's GEMM beyond; elsewhere PyTorch's half-precision products take one dot product
-# per output element (smollm2's linear layers at 32 rows: 340 ms against the kernel's 64 on an AVX2 EPYC), so
-# the kernel takes every row count.
-NATIVE_MAX_ROWS = 8
+KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# The kernel's row limit where PyTorch's own product is good beyond a few rows: half precision where oneDNN
+# multiplies it natively (AMX, AVX512_BF16 / AVX512_FP16), float32 off Intel CPUs. Elsewhere PyTorch's
+# half-precision products take one dot product per output element (smollm2's linear layers at 32 rows: 340 ms
+# against the kernel's 64 on an AVX2 EPYC), so the kernel takes every row count.
+FEW_ROWS = 8
 
 
 _operators: list = []   # the torch.library.Library defining the operators' schemas, kept alive
@@ -28,19 +31,19 @@ def available() -> bool:
 
 
 def define_ops() -> None:
-    """Define `paged_backend::half_linear(x, weight, bias, max_rows)` (the kernel for operands it takes and at most
+    """Define `paged_backend::linear_rows(x, weight, bias, max_rows)` (the kernel for operands it takes and at most
     `max_rows` rows when max_rows > 0, PyTorch's linear otherwise) and
-    `paged_backend::half_linear_kernel_calls()` (how often its kernel ran in this process), once."""
+    `paged_backend::linear_rows_kernel_calls()` (how often its kernel ran in this process), once."""
     if not _operators:
         library = torch.library.Library("paged_backend", "FRAGMENT")
-        library.define("half_linear(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor")
-        library.define("half_linear_kernel_calls() -> int")
+        library.define("linear_rows(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor")
+        library.define("linear_rows_kernel_calls() -> int")
         _operators.append(library)
 
 
 def op_available() -> bool:
-    """Whether `torch.ops.paged_backend.half_linear` has its C++ kernel (built and loaded on first call; False
-    when it cannot be built, the reason logged once, or with `PAGED_BACKEND_HALF_LINEAR=0`)."""
+    """Whether `torch.ops.paged_backend.linear_rows` has its C++ kernel (built and loaded on first call; False
+    when it cannot be built, the reason logged once, or with `PAGED_BACKEND_LINEAR_KERNEL=0`)."""
     if not enabled():
         return False
     define_ops()
@@ -48,34 +51,52 @@ def op_available() -> bool:
 
 
 def kernel_calls() -> int:
-    """How many calls of `torch.ops.paged_backend.half_linear` ran the kernel in this process (0 without it)."""
-    return int(torch.ops.paged_backend.half_linear_kernel_calls()) if op_available() else 0
+    """How many calls of `torch.ops.paged_backend.linear_rows` ran the kernel in this process (0 without it)."""
+    return int(torch.ops.paged_backend.linear_rows_kernel_calls()) if op_available() else 0
 
 
 def enabled() -> bool:
-    """`PAGED_BACKEND_HALF_LINEAR=0` keeps PyTorch's linear in compiled code too (for comparison, debugging)."""
-    value = os.environ.get("PAGED_BACKEND_HALF_LINEAR", "1").strip().lower()
+    """`PAGED_BACKEND_LINEAR_KERNEL=0` keeps PyTorch's linear in compiled code too (for comparison, debugging)."""
+    value = os.environ.get("PAGED_BACKEND_LINEAR_KERNEL", "1").strip().lower()
     if value not in ("0", "1", "off", "on", ""):
-        raise ValueError(f"PAGED_BACKEND_HALF_LINEAR must be 1/on or 0/off, got {value!r}")
+        raise ValueError(f"PAGED_BACKEND_LINEAR_KERNEL must be 1/on or 0/off, got {value!r}")
     return value in ("1", "on", "")
 
 
-def max_rows(dtype: torch.dtype) -> int:
-    """The operator's row limit for the kernel on this CPU: NATIVE_MAX_ROWS where oneDNN has native `dtype`
-    matmuls, else 0 (no limit)."""
+@lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD; "" where unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def max_rows(dtype: torch.dtype) -> Optional[int]:
+    """For which steps compiled linear layers over `dtype` weights run the kernel on this CPU: None for none,
+    0 for all, n for steps of at most n tokens. Half precision: FEW_ROWS where oneDNN has native `dtype`
+    matmuls, else all. Float32: none on Intel CPUs (MKL's product is near the memory bandwidth there: the
+    compiled-decode record on a Xeon, 1.14x its floor), FEW_ROWS elsewhere (MKL on an AMD EPYC reads 11.8 GB/s
+    of 33 at batch 1, the kernel 20.8)."""
     from .cpu_features import onednn_half_matmuls
 
+    if dtype == torch.float32:
+        return None if cpu_vendor() == "GenuineIntel" else FEW_ROWS
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if name is None:
-        raise ValueError(f"max_rows is for bfloat16 and float16, not {dtype}")
-    return NATIVE_MAX_ROWS if onednn_half_matmuls()[name] else 0
+        raise ValueError(f"max_rows is for bfloat16, float16 and float32, not {dtype}")
+    return FEW_ROWS if onednn_half_matmuls()[name] else 0
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], rows_limit: int = 0) -> bool:
-    """Whether `half_linear` takes these operands: CPU tensors of one half-precision dtype, a contiguous 2-D
+    """Whether `linear_rows` takes these operands: CPU tensors of one dtype of KINDS, a contiguous 2-D
     weight (and 1-D bias), at least one row of x and, when rows_limit > 0, at most that many."""
     dtype = weight.dtype
-    if dtype not in HALF_KINDS or x.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
+    if dtype not in KINDS or x.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     if weight.dim() != 2 or not weight.is_contiguous() or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return False
@@ -86,24 +107,24 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     return rows >= 1 and weight.shape[1] > 0 and (rows_limit <= 0 or rows <= rows_limit)
 
 
-def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`x @ weight.T + bias` for operands `supports` accepts (ValueError naming what is not)."""
     library = load_library("cpu_linear")
     if library is None:
-        raise RuntimeError(f"the CPU half-precision linear kernel is not available: {build_error('cpu_linear')}")
+        raise RuntimeError(f"the CPU linear kernel is not available: {build_error('cpu_linear')}")
     if not supports(x, weight, bias):
-        raise ValueError(f"half_linear takes CPU bfloat16/float16 operands of one dtype, a contiguous [out, in] "
-                         f"weight and at least one row; got x {x.dtype} {tuple(x.shape)}, weight "
+        raise ValueError(f"linear_rows takes CPU bfloat16/float16/float32 operands of one dtype, a contiguous "
+                         f"[out, in] weight and at least one row; got x {x.dtype} {tuple(x.shape)}, weight "
                          f"{weight.dtype} {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}), bias "
                          f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=weight.dtype)
-    status = library.half_linear(rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else rows.shape[1],
+    status = library.linear_rows(rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else rows.shape[1],
                                  weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                                  out.stride(0), rows.shape[0], weight.shape[0], weight.shape[1],
-                                 HALF_KINDS[weight.dtype], torch.get_num_threads())
+                                 KINDS[weight.dtype], torch.get_num_threads())
     if status:
-        raise RuntimeError(f"half_linear: the kernel refused its arguments (status {status})")
+        raise RuntimeError(f"linear_rows: the kernel refused its arguments (status {status})")
     return out.reshape(*x.shape[:-1], weight.shape[0])

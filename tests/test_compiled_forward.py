@@ -55,6 +55,11 @@ def test_compiled_greedy_tokens_match_transformers(dtype, monkeypatch):
     engine = LLMEngine(model, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
     stats = engine.runner.compiled.stats
     assert all(state.ready for state in stats.buckets.values()), stats.as_dict()
+    # float32 linear layers run our kernel off Intel CPUs (worker/kernel_linear.py): transformers' tokens all the same
+    from paged_backend.kernels import cpu_linear
+
+    served = dtype == torch.float32 and cpu_linear.max_rows(dtype) is not None
+    assert stats.linear_kernels == (sum(isinstance(m, torch.nn.Linear) for m in model.modules()) if served else 0)
     eager_calls = _count_eager_attention(monkeypatch)
     assert _greedy(engine, PROMPTS) == _expected(model, PROMPTS)
     assert _greedy(engine, [SOLO]) == _expected(model, [SOLO])
@@ -72,26 +77,26 @@ def test_sliding_windows_and_soft_capping_compile_with_the_same_tokens(monkeypat
     assert engine.runner.compiled.stats.eager_steps == 0 and eager_calls == [], engine.runner.compiled.stats.as_dict()
 
 
-def test_bfloat16_linear_layers_run_the_half_precision_kernel_when_compiled(monkeypatch):
-    """In bfloat16 the compiled steps' linear layers are our kernel (worker/half_linear.py): for every step where
+def test_bfloat16_linear_layers_run_the_kernel_when_compiled(monkeypatch):
+    """In bfloat16 the compiled steps' linear layers are our kernel (worker/kernel_linear.py): for every step where
     oneDNN converts bfloat16 to float32, for steps of up to 8 tokens where it has native bfloat16 matmuls (PyTorch's
     GEMM for longer ones); the greedy tokens are those of compiled code without the kernel
-    (`PAGED_BACKEND_HALF_LINEAR=0`). Compiled bfloat16 code itself rounds differently from the eager forward
+    (`PAGED_BACKEND_LINEAR_KERNEL=0`). Compiled bfloat16 code itself rounds differently from the eager forward
     (inductor computes fused bfloat16 operators in float32): on tiny-llama's random weights both compiled runs
     leave the eager tokens after 5 steps, with or without the kernel."""
     from paged_backend.kernels import cpu_linear
 
-    monkeypatch.setenv("PAGED_BACKEND_HALF_LINEAR", "0")
+    monkeypatch.setenv("PAGED_BACKEND_LINEAR_KERNEL", "0")
     plain, _ = load_model("tiny-llama", dtype=torch.bfloat16)   # own copies: their linear layers may change class
     without = LLMEngine(plain, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
-    assert without.runner.compiled.stats.half_linears == 0
+    assert without.runner.compiled.stats.linear_kernels == 0
     expected = _greedy(without, PROMPTS), _greedy(without, [SOLO])
-    monkeypatch.delenv("PAGED_BACKEND_HALF_LINEAR")
+    monkeypatch.delenv("PAGED_BACKEND_LINEAR_KERNEL")
     model, _ = load_model("tiny-llama", dtype=torch.bfloat16)
     engine = LLMEngine(model, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
     stats = engine.runner.compiled.stats
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert stats.half_linears == linears and stats.as_dict()["half_linears"] == linears
+    assert stats.linear_kernels == linears and stats.as_dict()["linear_kernels"] == linears
     calls = cpu_linear.kernel_calls()
     assert _greedy(engine, PROMPTS) == expected[0]
     assert stats.eager_steps == 0, stats.as_dict()

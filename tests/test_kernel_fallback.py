@@ -79,17 +79,17 @@ def test_a_failed_build_is_logged_once_and_shown_by_info_and_the_metrics(fresh_b
         TritonEngineMetrics(FakeTritonMetrics, {"model": "m", "version": "1"}).update(engine.get_stats())
     assert all(out.error is None for out in finals.values())
     warnings = [r.getMessage() for r in caplog.records if r.name == "paged_backend.kernels.cpu_build"]
-    # once, however often the kernel is asked for (the sampler's and the half-precision linear's kernels are
+    # once, however often the kernel is asked for (the sampler's and the linear layers' kernels are
     # used only beside the attention's, so they are not built at all)
     assert len(warnings) == 1, warnings
     assert "cpu_attention" in warnings[0] and "no-such-compiler" in warnings[0] and "PyTorch" in warnings[0]
-    assert engine.get_stats().kernels == {"attention": "torch", "sampler": "torch", "half_linear": "torch"}
-    assert 'paged_backend:kernel_info{attention="torch",half_linear="torch",sampler="torch"} 1.0' in metrics
+    assert engine.get_stats().kernels == {"attention": "torch", "sampler": "torch", "linear_rows": "torch"}
+    assert 'paged_backend:kernel_info{attention="torch",linear_rows="torch",sampler="torch"} 1.0' in metrics
     [triton] = FakeTritonMetrics.MetricFamily.families["paged_backend:kernel_info"].metrics
     assert (triton.labels, triton.value) == ({"model": "m", "version": "1", "attention": "torch", "sampler": "torch",
-                                              "half_linear": "torch"}, 1.0)
+                                              "linear_rows": "torch"}, 1.0)
     lines = report.splitlines()
-    assert "kernels (cpu):      attention torch, sampler torch, compiled half-precision linear torch" in lines
+    assert "kernels (cpu):      attention torch, sampler torch, compiled linear torch" in lines
     assert any("cpu_attention not built" in line and "no-such-compiler" in line for line in lines)
 
 

@@ -98,8 +98,8 @@ METRICS: Tuple[MetricSpec, ...] = (
           "again after the slot went to another)", COUNTER, "num_lora_loads"),
     _ours("spec_decode_acceptance_rate", "Accepted draft tokens per proposed draft token (speculative decoding, "
           "0-1)", GAUGE, "spec_decode_acceptance_rate"),
-    _ours("kernel_info", "The kernels in use: attention triton, cpp or torch; sampler cpp or torch; half_linear "
-          "(compiled bfloat16/float16 linear layers) cpp or torch (torch when the C++ kernels could not be built)",
+    _ours("kernel_info", "The kernels in use: attention triton, cpp or torch; sampler cpp or torch; linear_rows "
+          "(compiled linear layers our kernel serves) cpp or torch (torch when the C++ kernels could not be built)",
           INFO, "kernels"),
     # ---- vLLM's names for the same values ----
     _vllm("num_requests_running", "Number of requests currently running", GAUGE, "num_running"),

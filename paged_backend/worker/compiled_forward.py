@@ -105,11 +105,11 @@ class CompileStats:
     cache_dir: str
     buckets: Dict[str, BucketState] = field(default_factory=lambda: {b: BucketState() for b in BUCKETS})
     eager_steps: int = 0      # steps run eagerly because their bucket was not ready
-    half_linears: int = 0     # linear layers compiled as our half-precision kernel (half_linear.py)
+    linear_kernels: int = 0   # linear layers compiled as our kernel's operator (kernel_linear.py)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "cache_dir": self.cache_dir, "eager_steps": self.eager_steps,
-                "half_linears": self.half_linears,
+                "linear_kernels": self.linear_kernels,
                 "buckets": {name: state.as_dict() for name, state in self.buckets.items()}}
 
 
@@ -123,15 +123,15 @@ class CompiledForward:
             raise ValueError(f"CompiledForward mode must be 'background' or 'blocking', got {mode!r}")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
         import paged_backend.worker.attention_op  # noqa: F401  (registers torch.ops.paged_backend.attend_step)
-        from paged_backend.worker.half_linear import use_half_linear
+        from paged_backend.worker.kernel_linear import use_linear_kernel
 
-        half_linears = use_half_linear(model)   # bfloat16/float16 linear layers run our kernel when compiled
+        linear_kernels = use_linear_kernel(model)   # the linear layers our kernel serves on this CPU, when compiled
         self.eager = eager_forward(model)
         self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True, options=dict(INDUCTOR_OPTIONS))
         self._run_only = torch._dynamo.run(self._compiled)
         self._scratch = _ScratchStep(cache_engine)
         self._paged_attention = paged_attention
-        self.stats = CompileStats(mode, os.environ["TORCHINDUCTOR_CACHE_DIR"], half_linears=half_linears)
+        self.stats = CompileStats(mode, os.environ["TORCHINDUCTOR_CACHE_DIR"], linear_kernels=linear_kernels)
         self._done = threading.Event()
         if mode == "blocking":
             self._compile_all()

@@ -1,5 +1,5 @@
-"""The half-precision linear kernel (`kernels/cpu_linear.cpp`) and its operator in the compiled forward
-(`kernels/cpu_linear_op.cpp`, `worker/half_linear.py`): exact where the sums are exact, within one rounding
+"""The linear kernel for few rows (`kernels/cpu_linear.cpp`) and its operator in the compiled forward
+(`kernels/cpu_linear_op.cpp`, `worker/kernel_linear.py`): exact where the sums are exact, within one rounding
 elsewhere, refusals by name, PyTorch's linear wherever the kernel does not apply. The engine's compiled steps:
 tests/test_compiled_forward.py."""
 
@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend.kernels import cpu_linear
-from paged_backend.worker.half_linear import HalfLinear, use_half_linear
+from paged_backend.worker.kernel_linear import KernelLinear, use_linear_kernel
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no C++ compiler: the kernel cannot be built")
 
 HALVES = [torch.bfloat16, torch.float16]
+KINDS = HALVES + [torch.float32]
+KIND_IDS = ["bf16", "fp16", "fp32"]
 
 
 def _integers(shape, generator, low=-8, high=9) -> torch.Tensor:
@@ -26,7 +28,7 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
     return (out if b is None else out + b.double()).to(w.dtype)
 
 
-@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("in_features", [576, 67])   # a multiple of every vector width, and a tail
 def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features):
@@ -38,18 +40,21 @@ def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features)
         x = _integers((rows, in_features), g).to(dtype)
         w = _integers((out_features, in_features), g).to(dtype)
         b = None if bias is None else bias.to(dtype)
-        got = cpu_linear.half_linear(x, w, b)
+        got = cpu_linear.linear_rows(x, w, b)
         assert got.dtype == dtype and got.shape == (rows, out_features)
         assert torch.equal(got, _exact(x, w, b))
 
 
-@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
 def test_random_operands_are_within_one_rounding_of_the_exact_sum(dtype):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(3, 1536, generator=g).to(dtype)
     w = (torch.randn(200, 1536, generator=g) * 0.05).to(dtype)
     b = torch.randn(200, generator=g).to(dtype)
-    got, exact = cpu_linear.half_linear(x, w, b).double(), _exact(x, w, b).double()
+    got, exact = cpu_linear.linear_rows(x, w, b).double(), _exact(x, w, b).double()
+    if dtype == torch.float32:   # float32 sums of 1536 products: within a few ulp of the scale of the terms
+        assert ((got - exact).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T + b.double().abs())).all()
+        return
     ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
     assert ((got - exact).abs() <= exact.abs() * ulp + 1e-6).all()
     assert (got == exact).float().mean() > 0.9   # float32 sums rarely round to another neighbour
@@ -61,11 +66,11 @@ def test_strided_and_batched_inputs():
     wide = _integers((2, 3, 100), g).to(torch.bfloat16)
     x = wide[..., :64]
     w = _integers((16, 64), g).to(torch.bfloat16)
-    got = cpu_linear.half_linear(x, w)
+    got = cpu_linear.linear_rows(x, w)
     assert got.shape == (2, 3, 16)
     assert torch.equal(got, _exact(x.reshape(6, 64), w, None).reshape(2, 3, 16))
     column = _integers((64, 2), g).to(torch.bfloat16)[:, 0]   # one row whose elements are strided
-    assert torch.equal(cpu_linear.half_linear(column, w), _exact(column[None], w, None)[0])
+    assert torch.equal(cpu_linear.linear_rows(column, w), _exact(column[None], w, None)[0])
 
 
 def test_nan_and_infinity_propagate():
@@ -73,17 +78,17 @@ def test_nan_and_infinity_propagate():
     w = torch.ones(3, 32, dtype=torch.bfloat16)
     w[1, 5] = float("nan")
     w[2, 7] = float("inf")
-    got = cpu_linear.half_linear(x, w)
+    got = cpu_linear.linear_rows(x, w)
     assert got[0, 0] == 32 and torch.isnan(got[0, 1]) and got[0, 2] == float("inf")
 
 
-@pytest.mark.parametrize("case", ["float32", "mixed dtypes", "no rows", "strided weight", "bias shape"])
+@pytest.mark.parametrize("case", ["float64", "mixed dtypes", "no rows", "strided weight", "bias shape"])
 def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
     x = torch.ones(2, 8, dtype=torch.bfloat16)
     w = torch.ones(4, 8, dtype=torch.bfloat16)
     b = None
-    if case == "float32":
-        x, w = x.float(), w.float()
+    if case == "float64":
+        x, w = x.double(), w.double()
     elif case == "mixed dtypes":
         x = x.to(torch.float16)
     elif case == "no rows":
@@ -93,21 +98,21 @@ def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
     else:
         b = torch.ones(5, dtype=torch.bfloat16)
     assert not cpu_linear.supports(x, w, b)
-    with pytest.raises(ValueError, match="half_linear takes"):
-        cpu_linear.half_linear(x, w, b)
+    with pytest.raises(ValueError, match="linear_rows takes"):
+        cpu_linear.linear_rows(x, w, b)
     # the operator runs PyTorch's linear there instead, bit for bit, and its kernel does not run (mixed dtypes and
     # a bias of the wrong shape are PyTorch's errors then)
     assert cpu_linear.op_available()
     calls = cpu_linear.kernel_calls()
-    if case in ("float32", "no rows", "strided weight"):
-        assert torch.equal(torch.ops.paged_backend.half_linear(x, w, b, 0), F.linear(x, w, b))
+    if case in ("float64", "no rows", "strided weight"):
+        assert torch.equal(torch.ops.paged_backend.linear_rows(x, w, b, 0), F.linear(x, w, b))
     else:
         with pytest.raises(RuntimeError):
-            torch.ops.paged_backend.half_linear(x, w, b, 0)
+            torch.ops.paged_backend.linear_rows(x, w, b, 0)
     assert cpu_linear.kernel_calls() == calls
 
 
-@pytest.mark.parametrize("dtype", HALVES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
 def test_the_operator_runs_the_kernel_up_to_its_row_limit(dtype):
     """The C++ operator gives the ctypes path's bits (the same kernel) in any leading shape, a bias included,
     and counts each run; above a positive row limit it is PyTorch's linear, bit for bit."""
@@ -120,55 +125,63 @@ def test_the_operator_runs_the_kernel_up_to_its_row_limit(dtype):
         rows = x.numel() // 96
         for limit in (0, 8):
             calls = cpu_linear.kernel_calls()
-            got = torch.ops.paged_backend.half_linear(x, w, b, limit)
+            got = torch.ops.paged_backend.linear_rows(x, w, b, limit)
             assert got.shape == (*shape[:-1], 40)
             if limit and rows > limit:
                 assert cpu_linear.kernel_calls() == calls and torch.equal(got, F.linear(x, w, b))
             else:
-                assert cpu_linear.kernel_calls() == calls + 1 and torch.equal(got, cpu_linear.half_linear(x, w, b))
+                assert cpu_linear.kernel_calls() == calls + 1 and torch.equal(got, cpu_linear.linear_rows(x, w, b))
 
 
-def test_the_row_limit_follows_onednns_native_half_precision(monkeypatch):
+def test_the_row_limits_follow_onednns_native_half_precision_and_the_cpu_vendor(monkeypatch):
     from paged_backend.kernels import cpu_features
 
-    for native, limit in ((True, cpu_linear.NATIVE_MAX_ROWS), (False, 0)):
+    for native, limit in ((True, cpu_linear.FEW_ROWS), (False, 0)):
         monkeypatch.setattr(cpu_features, "onednn_half_matmuls", lambda: {"bfloat16": native, "float16": False})
         assert cpu_linear.max_rows(torch.bfloat16) == limit and cpu_linear.max_rows(torch.float16) == 0
-    with pytest.raises(ValueError, match="bfloat16 and float16"):
-        cpu_linear.max_rows(torch.float32)
+    assert cpu_linear.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
+    for vendor, limit in (("GenuineIntel", None), ("AuthenticAMD", cpu_linear.FEW_ROWS), ("", cpu_linear.FEW_ROWS)):
+        monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
+        assert cpu_linear.max_rows(torch.float32) == limit
+        layer = torch.nn.Linear(8, 8)
+        assert use_linear_kernel(layer) == (limit is not None)
+        assert type(layer) is (torch.nn.Linear if limit is None else KernelLinear)
+    with pytest.raises(ValueError, match="bfloat16, float16 and float32"):
+        cpu_linear.max_rows(torch.float64)
 
 
-def test_use_half_linear_swaps_half_precision_linears_and_eager_calls_stay_pytorchs(monkeypatch):
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8),
+
+def test_use_linear_kernel_swaps_the_linears_it_serves_and_eager_calls_stay_pytorchs(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8).double(),
                                 torch.nn.Linear(8, 8).to(torch.float16))
-    assert use_half_linear(model) == 2
-    assert [type(m) for m in model] == [HalfLinear, torch.nn.Linear, HalfLinear]
+    assert use_linear_kernel(model) == 2
+    assert [type(m) for m in model] == [KernelLinear, torch.nn.Linear, KernelLinear]
     calls = cpu_linear.kernel_calls()
     x = torch.randn(1, 8)
     assert torch.equal(model[0](x.bfloat16()), F.linear(x.bfloat16(), model[0].weight, model[0].bias))
     assert cpu_linear.kernel_calls() == calls   # eagerly: PyTorch's linear, the one compared with transformers
     off = torch.nn.Linear(8, 8).to(torch.bfloat16)
-    monkeypatch.setenv("PAGED_BACKEND_HALF_LINEAR", "0")
-    assert use_half_linear(off) == 0 and type(off) is torch.nn.Linear
-    monkeypatch.setenv("PAGED_BACKEND_HALF_LINEAR", "maybe")
-    with pytest.raises(ValueError, match="PAGED_BACKEND_HALF_LINEAR"):
-        use_half_linear(off)
+    monkeypatch.setenv("PAGED_BACKEND_LINEAR_KERNEL", "0")
+    assert use_linear_kernel(off) == 0 and type(off) is torch.nn.Linear
+    monkeypatch.setenv("PAGED_BACKEND_LINEAR_KERNEL", "maybe")
+    with pytest.raises(ValueError, match="PAGED_BACKEND_LINEAR_KERNEL"):
+        use_linear_kernel(off)
 
 
 @pytest.mark.parametrize("limit", [0, 8])
 def test_the_compiled_graph_calls_the_operator(limit):
-    """Traced (no code generated: aot_eager), a HalfLinear is the operator with its row limit."""
+    """Traced (no code generated: aot_eager), a KernelLinear is the operator with its row limit."""
     layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    assert use_half_linear(layer) == 1
-    assert layer.half_max_rows == cpu_linear.max_rows(torch.bfloat16)
-    layer.half_max_rows = limit
+    assert use_linear_kernel(layer) == 1
+    assert layer.kernel_max_rows == cpu_linear.max_rows(torch.bfloat16)
+    layer.kernel_max_rows = limit
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 64).bfloat16()
     many = torch.randn(9, 64).bfloat16()
     calls = cpu_linear.kernel_calls()
     with torch.no_grad():
-        assert torch.equal(compiled(x), cpu_linear.half_linear(x, layer.weight, layer.bias))
+        assert torch.equal(compiled(x), cpu_linear.linear_rows(x, layer.weight, layer.bias))
         assert cpu_linear.kernel_calls() == calls + 1
-        expected = F.linear if limit else cpu_linear.half_linear   # 9 rows: PyTorch's GEMM above a limit of 8
+        expected = F.linear if limit else cpu_linear.linear_rows   # 9 rows: PyTorch's GEMM above a limit of 8
         assert torch.equal(compiled(many), expected(many, layer.weight, layer.bias))
     assert cpu_linear.kernel_calls() == calls + 1 + (limit == 0)
