@@ -10,7 +10,8 @@ version and the CPU, and written atomically (parallel test processes may race). 
 `load_library(name)` logs why once (a warning), returns None and keeps the reason in `build_error(name)`;
 callers fall back to PyTorch code. `cpu_linear_op.cpp` is the exception: an operator that compiled code calls a
 few hundred times per step must not pass through Python, so it is built against PyTorch's headers (about 10 s,
-once per machine and PyTorch version) and loaded with `torch.ops.load_library`; its callers keep a Python version.
+once per machine and PyTorch version) and loaded with `torch.ops.load_library`; where it cannot be built, the
+layers it would serve keep PyTorch's linear.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
                                                      _i64]),
                     # (logits, row_stride, num_rows, vocab, with_norms, tokens, log_norm, num_threads)
                     "greedy_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, ctypes.c_uint8, _p, _p, _i64])},
-    # (x, x_row_stride, weight, bias or NULL, out, out_row_stride, m, n, k, kind: 0 bfloat16 / 1 float16, num_threads)
+    # (x, x_row_stride, weight, bias or NULL, out, out_row_stride, m, n, k, kind: 0 bfloat16 / 1 float16 /
+    #  2 float32, num_threads)
     "cpu_linear": {"linear_rows": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]),
                    "linear_vector_bytes": (ctypes.c_int64, [])},
 }
@@ -108,7 +110,8 @@ def _library_path(name: str, compiler: List[str], flags: List[str]) -> Path:
     return cache_root() / f"{name}-{digest}.so"
 
 
-def _compile(source: Path, compiler: List[str], flags: List[str], target: Path, libraries: Tuple[str, ...] = ()) -> None:
+def _compile(source: Path, compiler: List[str], flags: List[str], target: Path,
+             libraries: Tuple[str, ...] = ()) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
@@ -182,7 +185,8 @@ def _torch_flags() -> List[str]:
     return flags
 
 
-_TORCH_LIBRARIES = ("-ltorch", "-ltorch_cpu", "-lc10")   # after the source: a linker with --as-needed drops earlier ones
+# after the source on the command line: a linker with --as-needed drops libraries named before what needs them
+_TORCH_LIBRARIES = ("-ltorch", "-ltorch_cpu", "-lc10")
 
 
 @lru_cache(maxsize=None)
@@ -210,6 +214,6 @@ def load_torch_ops(name: str) -> bool:
         return True
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         _errors[name] = f"could not build {name}.cpp against PyTorch's headers: {exc}"
-        logger.warning("the C++ operator library %s cannot be built; its Python version runs instead: %s", name,
+        logger.warning("the C++ operator library %s cannot be built; PyTorch's code runs instead: %s", name,
                        _errors[name])
         return False

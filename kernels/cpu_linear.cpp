@@ -157,8 +157,8 @@ void dot_rows(const Element<Kind>* weight, int64_t k, const float* x, int64_t n0
 }
 
 template <int64_t Kind>
-void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float* x, int64_t n0, int64_t n1, float* sums,
-               int64_t n) {
+void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float* x, int64_t n0, int64_t n1,
+               float* sums, int64_t n) {
   switch (rows) {
     case 1: dot_rows<Kind, 1>(weight, k, x, n0, n1, sums, n); break;
     case 2: dot_rows<Kind, 2>(weight, k, x, n0, n1, sums, n); break;

@@ -92,9 +92,9 @@ def max_rows(dtype: torch.dtype) -> Optional[int]:
     return FEW_ROWS if onednn_half_matmuls()[name] else 0
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], rows_limit: int = 0) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     """Whether `linear_rows` takes these operands: CPU tensors of one dtype of KINDS, a contiguous 2-D
-    weight (and 1-D bias), at least one row of x and, when rows_limit > 0, at most that many."""
+    weight (and 1-D bias), at least one row of x (the operator's row limit is its own argument)."""
     dtype = weight.dtype
     if dtype not in KINDS or x.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
@@ -104,7 +104,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
                              or bias.shape[0] != weight.shape[0]):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return rows >= 1 and weight.shape[1] > 0 and (rows_limit <= 0 or rows <= rows_limit)
+    return rows >= 1 and weight.shape[1] > 0
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

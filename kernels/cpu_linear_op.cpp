@@ -1,12 +1,12 @@
 // `paged_backend::linear_rows` as a PyTorch operator with a C++ CPU kernel: the compiled forward calls it for
-// every linear layer the kernel serves on this CPU (kernels/cpu_linear.py, `max_rows`) (about 200 calls per decode step of a 30-layer model), and a
-// Python implementation costs about 30 us per call in dispatch and argument handling, as much as the product
-// itself at batch 1. This file is the one CPU source built against PyTorch's headers (cpu_build.py,
-// `load_torch_ops`); the kernel is cpu_linear.cpp's, compiled into it.
+// every linear layer the kernel serves on this CPU (kernels/cpu_linear.py, `max_rows`), about 200 calls per
+// decode step of a 30-layer model, and a Python implementation cost about 30 us per call in dispatch and argument
+// handling, as much as the product itself at batch 1. This file is the one CPU source built against PyTorch's
+// headers (cpu_build.py, `load_torch_ops`); the kernel is cpu_linear.cpp's, compiled into it.
 //
-// Operands the kernel takes (one dtype: bfloat16, float16 or float32, a contiguous [out, in] weight, at most `max_rows` rows of x
-// when max_rows > 0) run it; any other call is PyTorch's `linear`. The schema is defined in Python
-// (kernels/cpu_linear.py, `define_ops`) before this library is loaded.
+// Operands the kernel takes (one dtype: bfloat16, float16 or float32, a contiguous [out, in] weight, at most
+// `max_rows` rows of x when max_rows > 0) run it; any other call is PyTorch's `linear`. The schema is defined in
+// Python (kernels/cpu_linear.py, `define_ops`) before this library is loaded.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
