@@ -21,6 +21,9 @@ KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # half-precision products take one dot product per output element (smollm2's linear layers at 32 rows: 340 ms
 # against the kernel's 64 on an AVX2 EPYC), so the kernel takes every row count.
 FEW_ROWS = 8
+# Float32 off Intel CPUs: the kernel up to this many rows, MKL's GEMM beyond (smollm2's layers on an AVX2 EPYC:
+# kernel / MKL 35 / 57 ms at 8 rows, 62 / 72 at 16, 86 / 78 at 24).
+FLOAT32_ROWS = 16
 
 
 _operators: list = []   # the torch.library.Library defining the operators' schemas, kept alive
@@ -80,12 +83,12 @@ def max_rows(dtype: torch.dtype) -> Optional[int]:
     """For which steps compiled linear layers over `dtype` weights run the kernel on this CPU: None for none,
     0 for all, n for steps of at most n tokens. Half precision: FEW_ROWS where oneDNN has native `dtype`
     matmuls, else all. Float32: none on Intel CPUs (MKL's product is near the memory bandwidth there: the
-    compiled-decode record on a Xeon, 1.14x its floor), FEW_ROWS elsewhere (MKL on an AMD EPYC reads 11.8 GB/s
-    of 33 at batch 1, the kernel 20.8)."""
+    compiled-decode record on a Xeon, 1.14x its floor), FLOAT32_ROWS elsewhere (MKL on an AMD EPYC reads 11.8
+    GB/s of 33 at batch 1, the kernel 20.8)."""
     from .cpu_features import onednn_half_matmuls
 
     if dtype == torch.float32:
-        return None if cpu_vendor() == "GenuineIntel" else FEW_ROWS
+        return None if cpu_vendor() == "GenuineIntel" else FLOAT32_ROWS
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if name is None:
         raise ValueError(f"max_rows is for bfloat16, float16 and float32, not {dtype}")

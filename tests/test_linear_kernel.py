@@ -140,7 +140,8 @@ def test_the_row_limits_follow_onednns_native_half_precision_and_the_cpu_vendor(
         monkeypatch.setattr(cpu_features, "onednn_half_matmuls", lambda: {"bfloat16": native, "float16": False})
         assert cpu_linear.max_rows(torch.bfloat16) == limit and cpu_linear.max_rows(torch.float16) == 0
     assert cpu_linear.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
-    for vendor, limit in (("GenuineIntel", None), ("AuthenticAMD", cpu_linear.FEW_ROWS), ("", cpu_linear.FEW_ROWS)):
+    for vendor, limit in (("GenuineIntel", None), ("AuthenticAMD", cpu_linear.FLOAT32_ROWS),
+                          ("", cpu_linear.FLOAT32_ROWS)):
         monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
         assert cpu_linear.max_rows(torch.float32) == limit
         layer = torch.nn.Linear(8, 8)
