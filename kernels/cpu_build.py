@@ -1,5 +1,5 @@
-"""Build and load the CPU kernels (`cpu_attention.cpp`, `cpu_sampler.cpp`, `cpu_linear.cpp`) once per machine,
-through ctypes; and `cpu_linear_op.cpp` as a library of PyTorch operators (`load_torch_ops`).
+"""Build and load the CPU kernels (`cpu_attention.cpp`, `cpu_sampler.cpp`) once per machine, through ctypes; and
+`cpu_linear_op.cpp` (with `cpu_linear.cpp`'s kernel) as a library of PyTorch operators (`load_torch_ops`).
 
 The kernels' sources are plain C++17 with OpenMP and no PyTorch headers, so each builds in a few seconds with the
 system compiler: `$CXX`, a command split as a shell would (`CXX="ccache g++"` runs g++ through ccache),
@@ -62,10 +62,6 @@ FUNCTIONS: Dict[str, Dict[str, Tuple[type, List[type]]]] = {
                                                      _i64]),
                     # (logits, row_stride, num_rows, vocab, with_norms, tokens, log_norm, num_threads)
                     "greedy_rows": (ctypes.c_int64, [_p, _i64, _i64, _i64, ctypes.c_uint8, _p, _p, _i64])},
-    # (x, x_row_stride, weight, bias or NULL, out, out_row_stride, m, n, k, kind: 0 bfloat16 / 1 float16 /
-    #  2 float32, num_threads)
-    "cpu_linear": {"linear_rows": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64]),
-                   "linear_vector_bytes": (ctypes.c_int64, [])},
 }
 
 

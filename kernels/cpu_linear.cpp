@@ -11,14 +11,13 @@
 //
 // Plain C++17 with GCC/Clang vector extensions and OpenMP (cpu_build.py builds it with -march=native).
 
-#include <omp.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 #include <cstdint>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vector.h"
@@ -219,8 +218,5 @@ int linear_rows(const void* x, int64_t x_stride, const void* weight, const void*
   }
   return 0;
 }
-
-// The build's vector width in bytes.
-int64_t linear_vector_bytes() { return kVectorBytes; }
 
 }

@@ -1,8 +1,7 @@
 """Linear layers at few rows through the compiled kernel (`cpu_linear.cpp`): bfloat16, float16 or float32 weights,
-float32 sums (rounded once to a half-precision dtype). `linear_rows` calls it through ctypes;
-`torch.ops.paged_backend.linear_rows` (defined here, its C++ kernel in `cpu_linear_op.cpp`, loaded by
-`op_available`) is what the compiled forward calls, with no Python per call; `max_rows` says for which dtypes and
-row counts this CPU runs it."""
+float32 sums (rounded once to a half-precision dtype), as the operator `torch.ops.paged_backend.linear_rows`
+(defined here, its C++ kernel in `cpu_linear_op.cpp`, loaded by `op_available`) that the compiled forward calls,
+with no Python per call; `max_rows` says for which dtypes and row counts this CPU runs it."""
 
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ from typing import Optional
 
 import torch
 
-from .cpu_build import build_error, load_library, load_torch_ops
+from .cpu_build import load_torch_ops
 
-KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)   # the weights the kernel takes
 # The kernel's row limit where PyTorch's own product is good beyond a few rows: half precision where oneDNN
 # multiplies it natively (AMX, AVX512_BF16 / AVX512_FP16), float32 off Intel CPUs. Elsewhere PyTorch's
 # half-precision products take one dot product per output element (smollm2's linear layers at 32 rows: 340 ms
@@ -27,10 +26,6 @@ FLOAT32_ROWS = 16
 
 
 _operators: list = []   # the torch.library.Library defining the operators' schemas, kept alive
-
-
-def available() -> bool:
-    return load_library("cpu_linear") is not None
 
 
 def define_ops() -> None:
@@ -93,41 +88,3 @@ def max_rows(dtype: torch.dtype) -> Optional[int]:
     if name is None:
         raise ValueError(f"max_rows is for bfloat16, float16 and float32, not {dtype}")
     return FEW_ROWS if onednn_half_matmuls()[name] else 0
-
-
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether `linear_rows` takes these operands: CPU tensors of one dtype of KINDS, a contiguous 2-D
-    weight (and 1-D bias), at least one row of x (the operator's row limit is its own argument)."""
-    dtype = weight.dtype
-    if dtype not in KINDS or x.dtype != dtype or x.device.type != "cpu" or weight.device.type != "cpu":
-        return False
-    if weight.dim() != 2 or not weight.is_contiguous() or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        return False
-    if bias is not None and (bias.dtype != dtype or bias.dim() != 1 or not bias.is_contiguous()
-                             or bias.shape[0] != weight.shape[0]):
-        return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    return rows >= 1 and weight.shape[1] > 0
-
-
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`x @ weight.T + bias` for operands `supports` accepts (ValueError naming what is not)."""
-    library = load_library("cpu_linear")
-    if library is None:
-        raise RuntimeError(f"the CPU linear kernel is not available: {build_error('cpu_linear')}")
-    if not supports(x, weight, bias):
-        raise ValueError(f"linear_rows takes CPU bfloat16/float16/float32 operands of one dtype, a contiguous "
-                         f"[out, in] weight and at least one row; got x {x.dtype} {tuple(x.shape)}, weight "
-                         f"{weight.dtype} {tuple(weight.shape)} (contiguous: {weight.is_contiguous()}), bias "
-                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=weight.dtype)
-    status = library.linear_rows(rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else rows.shape[1],
-                                 weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 out.stride(0), rows.shape[0], weight.shape[0], weight.shape[1],
-                                 KINDS[weight.dtype], torch.get_num_threads())
-    if status:
-        raise RuntimeError(f"linear_rows: the kernel refused its arguments (status {status})")
-    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from paged_backend.kernels import cpu_linear
 from paged_backend.worker.kernel_linear import KernelLinear, use_linear_kernel
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no C++ compiler: the kernel cannot be built")
+pytestmark = pytest.mark.skipif(not cpu_linear.op_available(), reason="no C++ compiler: the kernel cannot be built")
 
 HALVES = [torch.bfloat16, torch.float16]
 KINDS = HALVES + [torch.float32]
@@ -21,6 +21,14 @@ KIND_IDS = ["bf16", "fp16", "fp32"]
 
 def _integers(shape, generator, low=-8, high=9) -> torch.Tensor:
     return torch.randint(low, high, shape, generator=generator).to(torch.float64)
+
+
+def kernel(x: torch.Tensor, w: torch.Tensor, b=None) -> torch.Tensor:
+    """The operator with no row limit, checked to have run the kernel (not PyTorch's linear)."""
+    calls = cpu_linear.kernel_calls()
+    out = torch.ops.paged_backend.linear_rows(x, w, b, 0)
+    assert cpu_linear.kernel_calls() == calls + 1
+    return out
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
@@ -40,7 +48,7 @@ def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features)
         x = _integers((rows, in_features), g).to(dtype)
         w = _integers((out_features, in_features), g).to(dtype)
         b = None if bias is None else bias.to(dtype)
-        got = cpu_linear.linear_rows(x, w, b)
+        got = kernel(x, w, b)
         assert got.dtype == dtype and got.shape == (rows, out_features)
         assert torch.equal(got, _exact(x, w, b))
 
@@ -51,7 +59,7 @@ def test_random_operands_are_within_one_rounding_of_the_exact_sum(dtype):
     x = torch.randn(3, 1536, generator=g).to(dtype)
     w = (torch.randn(200, 1536, generator=g) * 0.05).to(dtype)
     b = torch.randn(200, generator=g).to(dtype)
-    got, exact = cpu_linear.linear_rows(x, w, b).double(), _exact(x, w, b).double()
+    got, exact = kernel(x, w, b).double(), _exact(x, w, b).double()
     if dtype == torch.float32:   # float32 sums of 1536 products: within a few ulp of the scale of the terms
         assert ((got - exact).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T + b.double().abs())).all()
         return
@@ -66,11 +74,11 @@ def test_strided_and_batched_inputs():
     wide = _integers((2, 3, 100), g).to(torch.bfloat16)
     x = wide[..., :64]
     w = _integers((16, 64), g).to(torch.bfloat16)
-    got = cpu_linear.linear_rows(x, w)
+    got = kernel(x, w)
     assert got.shape == (2, 3, 16)
     assert torch.equal(got, _exact(x.reshape(6, 64), w, None).reshape(2, 3, 16))
     column = _integers((64, 2), g).to(torch.bfloat16)[:, 0]   # one row whose elements are strided
-    assert torch.equal(cpu_linear.linear_rows(column, w), _exact(column[None], w, None)[0])
+    assert torch.equal(kernel(column, w), _exact(column[None], w, None)[0])
 
 
 def test_nan_and_infinity_propagate():
@@ -78,12 +86,12 @@ def test_nan_and_infinity_propagate():
     w = torch.ones(3, 32, dtype=torch.bfloat16)
     w[1, 5] = float("nan")
     w[2, 7] = float("inf")
-    got = cpu_linear.linear_rows(x, w)
+    got = kernel(x, w)
     assert got[0, 0] == 32 and torch.isnan(got[0, 1]) and got[0, 2] == float("inf")
 
 
 @pytest.mark.parametrize("case", ["float64", "mixed dtypes", "no rows", "strided weight", "bias shape"])
-def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
+def test_operands_the_kernel_does_not_take_get_pytorchs_linear(case):
     x = torch.ones(2, 8, dtype=torch.bfloat16)
     w = torch.ones(4, 8, dtype=torch.bfloat16)
     b = None
@@ -97,9 +105,6 @@ def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
         w = torch.ones(8, 4, dtype=torch.bfloat16).T
     else:
         b = torch.ones(5, dtype=torch.bfloat16)
-    assert not cpu_linear.supports(x, w, b)
-    with pytest.raises(ValueError, match="linear_rows takes"):
-        cpu_linear.linear_rows(x, w, b)
     # the operator runs PyTorch's linear there instead, bit for bit, and its kernel does not run (mixed dtypes and
     # a bias of the wrong shape are PyTorch's errors then)
     assert cpu_linear.op_available()
@@ -114,7 +119,7 @@ def test_operands_the_kernel_does_not_take_are_refused_by_name(case):
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
 def test_the_operator_runs_the_kernel_up_to_its_row_limit(dtype):
-    """The C++ operator gives the ctypes path's bits (the same kernel) in any leading shape, a bias included,
+    """Under a row limit the operator gives the unlimited kernel's bits in any leading shape, a bias included,
     and counts each run; above a positive row limit it is PyTorch's linear, bit for bit."""
     assert cpu_linear.op_available()
     g = torch.Generator().manual_seed(11)
@@ -130,7 +135,7 @@ def test_the_operator_runs_the_kernel_up_to_its_row_limit(dtype):
             if limit and rows > limit:
                 assert cpu_linear.kernel_calls() == calls and torch.equal(got, F.linear(x, w, b))
             else:
-                assert cpu_linear.kernel_calls() == calls + 1 and torch.equal(got, cpu_linear.linear_rows(x, w, b))
+                assert cpu_linear.kernel_calls() == calls + 1 and torch.equal(got, kernel(x, w, b))
 
 
 def test_the_row_limits_follow_onednns_native_half_precision_and_the_cpu_vendor(monkeypatch):
@@ -179,10 +184,11 @@ def test_the_compiled_graph_calls_the_operator(limit):
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 64).bfloat16()
     many = torch.randn(9, 64).bfloat16()
-    calls = cpu_linear.kernel_calls()
     with torch.no_grad():
-        assert torch.equal(compiled(x), cpu_linear.linear_rows(x, layer.weight, layer.bias))
+        expected = kernel(x, layer.weight, layer.bias)
+        expected_many = (F.linear if limit else kernel)(many, layer.weight, layer.bias)   # PyTorch's above 8 rows
+        calls = cpu_linear.kernel_calls()
+        assert torch.equal(compiled(x), expected)
         assert cpu_linear.kernel_calls() == calls + 1
-        expected = F.linear if limit else cpu_linear.linear_rows   # 9 rows: PyTorch's GEMM above a limit of 8
-        assert torch.equal(compiled(many), expected(many, layer.weight, layer.bias))
+        assert torch.equal(compiled(many), expected_many)
     assert cpu_linear.kernel_calls() == calls + 1 + (limit == 0)

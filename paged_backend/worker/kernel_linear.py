@@ -48,7 +48,7 @@ def use_linear_kernel(model: torch.nn.Module) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (type(module) is torch.nn.Linear and weight is not None and weight.device.type == "cpu"
-                and weight.dtype in cpu_linear.KINDS and weight.is_contiguous()):
+                and weight.dtype in cpu_linear.DTYPES and weight.is_contiguous()):
             limit = cpu_linear.max_rows(weight.dtype)
             if limit is not None:
                 module.__class__ = KernelLinear
