@@ -40,16 +40,18 @@ def kernels_in_use(device: Union[str, torch.device] = "cpu") -> Dict[str, str]:
     """The implementation each op runs on tensors of `device`: `attention` is 'triton', 'cpp' or 'torch' (as
     `kernel_backend` picks it), `sampler` 'cpp' or 'torch' (as `sample_rows` picks it), `linear_rows` what
     compiled code may run for linear layers: 'cpp' (cpu_linear.cpp, for the dtypes and row counts
-    `cpu_linear.max_rows` gives on this CPU) or 'torch'.
+    `cpu_linear.max_rows` gives on this CPU) or 'torch', `attend_layer` what compiled code calls per attention
+    layer: 'cpp' (cpu_attention_op.cpp) or 'python' (the fallback, which calls `attention`'s kernel).
     Builds the C++ kernels if they have not been built yet."""
-    from . import cpu_linear, cpu_sampling
+    from . import cpu_attention_step, cpu_linear, cpu_sampling
 
     probe = torch.empty(0, device=device)
     attention = kernel_backend(probe)
     cpp_sampler = probe.device.type == "cpu" and attention == "cpp" and cpu_sampling.available()
     cpp_linear = probe.device.type == "cpu" and attention == "cpp" and cpu_linear.op_available()
+    cpp_attend = probe.device.type == "cpu" and attention == "cpp" and cpu_attention_step.op_available()
     return {"attention": attention, "sampler": "cpp" if cpp_sampler else "torch",
-            "linear_rows": "cpp" if cpp_linear else "torch"}
+            "linear_rows": "cpp" if cpp_linear else "torch", "attend_layer": "cpp" if cpp_attend else "python"}
 
 
 def kernel_fallback_reasons() -> Dict[str, str]:

@@ -166,7 +166,8 @@ def build_error(name: str) -> Optional[str]:
 
 # Libraries of PyTorch operators (built against PyTorch's headers, loaded with torch.ops.load_library): name ->
 # the other sources of this folder it includes (part of its cache key).
-TORCH_OP_LIBRARIES: Dict[str, Tuple[str, ...]] = {"cpu_linear_op": ("cpu_linear.cpp",)}
+TORCH_OP_LIBRARIES: Dict[str, Tuple[str, ...]] = {"cpu_linear_op": ("cpu_linear.cpp",),
+                                                  "cpu_attention_op": ("cpu_attention.cpp",)}
 
 
 def _torch_flags() -> List[str]:

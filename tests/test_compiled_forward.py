@@ -48,6 +48,34 @@ def _count_eager_attention(monkeypatch) -> list:
     return calls
 
 
+def _count_operator_paths(monkeypatch) -> dict:
+    """Calls of the compiled attention operator's Python fallback, and the C++ kernel's count before the run
+    (kernels/cpu_attention_op.cpp)."""
+    import paged_backend.worker.attention_op as attention_op
+    from paged_backend.kernels import cpu_attention_step
+
+    counts = {"fallbacks": 0, "kernel_before": cpu_attention_step.kernel_calls()}
+    fallback = attention_op.attend_step
+
+    def counted(*args, **kwargs):
+        counts["fallbacks"] += 1
+        return fallback(*args, **kwargs)
+
+    monkeypatch.setattr(attention_op, "attend_step", counted)
+    return counts
+
+
+def _assert_the_kernel_took_all_but_each_windows_first_call(engine: LLMEngine, model, counts: dict, windows: int):
+    """Each step's attention layers ran the C++ operator, but for the first call of each sliding window (the
+    fallback builds its plan; later steps build it before the forward)."""
+    from paged_backend.kernels import cpu_attention_step
+
+    steps = sum(state.steps for state in engine.runner.compiled.stats.buckets.values())
+    calls = steps * model.config.num_hidden_layers
+    assert counts["fallbacks"] == windows
+    assert cpu_attention_step.kernel_calls() - counts["kernel_before"] == calls - windows
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_compiled_greedy_tokens_match_transformers(dtype, monkeypatch):
     model, _ = get_model("tiny-llama", dtype)
@@ -61,8 +89,10 @@ def test_compiled_greedy_tokens_match_transformers(dtype, monkeypatch):
     served = dtype == torch.float32 and cpu_linear.max_rows(dtype) is not None
     assert stats.linear_kernels == (sum(isinstance(m, torch.nn.Linear) for m in model.modules()) if served else 0)
     eager_calls = _count_eager_attention(monkeypatch)
+    paths = _count_operator_paths(monkeypatch)
     assert _greedy(engine, PROMPTS) == _expected(model, PROMPTS)
     assert _greedy(engine, [SOLO]) == _expected(model, [SOLO])
+    _assert_the_kernel_took_all_but_each_windows_first_call(engine, model, paths, windows=1)
     # every step ran compiled code: prefills and the 3-sequence decodes in `batch`, the solo decodes in `single`
     assert stats.eager_steps == 0 and eager_calls == [], stats.as_dict()
     assert stats.buckets["batch"].steps >= MAX_TOKENS and stats.buckets["single"].steps >= MAX_TOKENS - 1
@@ -73,8 +103,10 @@ def test_sliding_windows_and_soft_capping_compile_with_the_same_tokens(monkeypat
     model, _ = get_model("tiny-gemma2", torch.float32)
     engine = LLMEngine(model, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
     eager_calls = _count_eager_attention(monkeypatch)
+    paths = _count_operator_paths(monkeypatch)
     assert _greedy(engine, PROMPTS) == _expected(model, PROMPTS)
     assert engine.runner.compiled.stats.eager_steps == 0 and eager_calls == [], engine.runner.compiled.stats.as_dict()
+    _assert_the_kernel_took_all_but_each_windows_first_call(engine, model, paths, windows=2)
 
 
 def test_bfloat16_linear_layers_run_the_kernel_when_compiled(monkeypatch):

@@ -83,13 +83,16 @@ def test_a_failed_build_is_logged_once_and_shown_by_info_and_the_metrics(fresh_b
     # used only beside the attention's, so they are not built at all)
     assert len(warnings) == 1, warnings
     assert "cpu_attention" in warnings[0] and "no-such-compiler" in warnings[0] and "PyTorch" in warnings[0]
-    assert engine.get_stats().kernels == {"attention": "torch", "sampler": "torch", "linear_rows": "torch"}
-    assert 'paged_backend:kernel_info{attention="torch",linear_rows="torch",sampler="torch"} 1.0' in metrics
+    assert engine.get_stats().kernels == {"attention": "torch", "sampler": "torch", "linear_rows": "torch",
+                                          "attend_layer": "python"}
+    assert ('paged_backend:kernel_info{attend_layer="python",attention="torch",linear_rows="torch",sampler="torch"} '
+            '1.0') in metrics
     [triton] = FakeTritonMetrics.MetricFamily.families["paged_backend:kernel_info"].metrics
     assert (triton.labels, triton.value) == ({"model": "m", "version": "1", "attention": "torch", "sampler": "torch",
-                                              "linear_rows": "torch"}, 1.0)
+                                              "linear_rows": "torch", "attend_layer": "python"}, 1.0)
     lines = report.splitlines()
-    assert "kernels (cpu):      attention torch, sampler torch, compiled linear torch" in lines
+    assert ("kernels (cpu):      attention torch, sampler torch, compiled linear torch, compiled attention python"
+            in lines)
     assert any("cpu_attention not built" in line and "no-such-compiler" in line for line in lines)
 
 

@@ -99,7 +99,8 @@ METRICS: Tuple[MetricSpec, ...] = (
     _ours("spec_decode_acceptance_rate", "Accepted draft tokens per proposed draft token (speculative decoding, "
           "0-1)", GAUGE, "spec_decode_acceptance_rate"),
     _ours("kernel_info", "The kernels in use: attention triton, cpp or torch; sampler cpp or torch; linear_rows "
-          "(compiled linear layers our kernel serves) cpp or torch (torch when the C++ kernels could not be built)",
+          "(compiled linear layers our kernel serves) cpp or torch (torch when the C++ kernels could not be built); "
+          "attend_layer (compiled attention layers) cpp or python",
           INFO, "kernels"),
     # ---- vLLM's names for the same values ----
     _vllm("num_requests_running", "Number of requests currently running", GAUGE, "num_running"),

@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from paged_backend import kernels
+from paged_backend.kernels import cpu_attention_step
 
 ATTENTION_NAME = "paged_backend"
 _local = threading.local()
@@ -179,11 +180,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = options.sliding_window
-    plan = metadata.plans.get(window, _NO_PLAN)
-    if plan is _NO_PLAN:
-        plan = metadata.plans[window] = kernels.plan_attention(
-            key_cache, metadata.block_tables, metadata.context_lens, metadata.query_start_loc, window,
-            metadata.slot_mapping)
+    plan = step_plan(metadata, window, key_cache)
     out = kernels.attend_heads_first(query, key, value, key_cache, value_cache, plan, scaling, window,
                                      options.softcap, options.sinks, k_scale, v_scale)
     if out is not None:
@@ -197,6 +194,18 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
 
 
 _NO_PLAN = object()   # no plan yet for a window (Triton's plan is None)
+
+
+def step_plan(metadata: AttentionMetadata, window: Optional[int], key_cache: torch.Tensor) -> Optional[kernels.Plan]:
+    """The step's attention plan for `window` (None: no window), built and checked on first use, once for all
+    layers (and given to the C++ operator when a compiled forward runs: attention_op.py)."""
+    plan = metadata.plans.get(window, _NO_PLAN)
+    if plan is _NO_PLAN:
+        plan = metadata.plans[window] = kernels.plan_attention(
+            key_cache, metadata.block_tables, metadata.context_lens, metadata.query_start_loc, window,
+            metadata.slot_mapping)
+        cpu_attention_step.set_plan(window, plan)
+    return plan
 
 
 def paged_attention_mask(*args, **kwargs):

@@ -1,33 +1,32 @@
-"""Paged attention as one opaque operator (`torch.ops.paged_backend.attend_step`) for the compiled forward.
+"""Paged attention as one opaque operator for the compiled forward (`torch.ops.paged_backend.attend_layer`).
 
 When `torch.compile` traces the model, each attention layer's call of our attention function becomes this
 custom operator: inductor fuses and schedules everything around it but never traces into it, so the kernel
-that writes k/v into the paged cache and reads it through the block tables stays ours. The operator reads the
-step's `AttentionMetadata` from the calling thread when it runs (the metadata changes every step; the compiled
-graph does not capture it), and its only effect beyond its output is on cache layer `layer`, which no other
-operator of the graph touches.
+that writes k/v into the paged cache and reads it through the block tables stays ours. On the CPU the operator
+is C++ (kernels/cpu_attention_op.cpp): `compiled_attention_step` gives it the step's caches and plans in this
+thread around each compiled forward. Calls it does not take (another device, an fp8 cache, a first call for a
+window whose plan is not built yet) are `attend_layer_fallback`, implemented here: `attend_step` on the step's
+`AttentionMetadata`, read from the calling thread (the metadata changes every step; the graph does not capture
+it). The operator's only effect beyond its output is on cache layer `layer`, which no other operator of the graph
+touches.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 
-from paged_backend.worker.attention import (AttentionOptions, attend_step, checked_options, current_metadata,
-                                            describe_module)
+from paged_backend.kernels import cpu_attention_step
+from paged_backend.worker.attention import (AttentionMetadata, AttentionOptions, attend_step, checked_options,
+                                            current_metadata, describe_module, step_plan)
 
-
-# A plain `torch.library.Library` operator rather than `torch.library.custom_op`: the compiled graph calls it 30
-# times per decode step, and custom_op's Python wrappers (autograd, schema checks) cost 8 us more per call.
-_library = torch.library.Library("paged_backend", "DEF")
-_library.define("attend_step(Tensor query, Tensor key, Tensor value, int layer, float scaling, int sliding_window, "
-                "float softcap, Tensor? sinks) -> Tensor")
 _PLAIN = AttentionOptions()
 
 
-def attend_step_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
-                   sliding_window: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+def attend_layer_fallback(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                          sliding_window: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """`attend_step` on the thread's current step (window 0 and softcap 0.0 mean none)."""
     metadata = current_metadata()
     if metadata is None:
@@ -37,12 +36,28 @@ def attend_step_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return attend_step(query, key, value, layer, scaling, options, metadata)
 
 
-_library.impl("attend_step", attend_step_op, "CompositeExplicitAutograd")
+cpu_attention_step.define_ops()
+_library = torch.library.Library("paged_backend", "IMPL")
+_library.impl("attend_layer_fallback", attend_layer_fallback, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("paged_backend::attend_step")
-def _attend_step_shape(query, key, value, layer, scaling, sliding_window, softcap, sinks):
-    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
+@contextmanager
+def compiled_attention_step(metadata: Optional[AttentionMetadata], windows: Set[Optional[int]]) -> Iterator[bool]:
+    """Around one compiled forward: the C++ operator gets the step's caches (unless a cache has fp8 scales) and
+    its plans for `windows` (the sliding windows earlier steps used; None: no window), built here; a window
+    met for the first time takes the fallback once and is added to `windows` after the forward. Yields whether
+    the operator got the step."""
+    usable = metadata is not None and (metadata.kv_scales is None or
+                                       all(scales == (1.0, 1.0) for scales in metadata.kv_scales))
+    with cpu_attention_step.attention_step(metadata.kv_caches if usable else None) as active:
+        if active:
+            for window in windows:
+                step_plan(metadata, window, metadata.kv_caches[0][0])
+            for window, plan in metadata.plans.items():   # built before the forward (set again: harmless)
+                cpu_attention_step.set_plan(window, plan)
+        yield active
+        if active:
+            windows.update(metadata.plans)
 
 
 def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -55,6 +70,6 @@ def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"{describe_module(module)}: an attention module without an integer layer_idx cannot be "
                          f"compiled")
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
-    out = torch.ops.paged_backend.attend_step(query, key, value, layer, scale, options.sliding_window or 0,
-                                              options.softcap or 0.0, options.sinks)
+    out = torch.ops.paged_backend.attend_layer(query, key, value, layer, scale, options.sliding_window or 0,
+                                               options.softcap or 0.0, options.sinks)
     return out, None

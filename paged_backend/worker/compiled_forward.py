@@ -32,7 +32,8 @@ from typing import Callable, ContextManager, Dict, Optional
 
 import torch
 
-from paged_backend.worker.attention import AttentionMetadata, attention_context
+from paged_backend.worker.attention import AttentionMetadata, attention_context, current_metadata
+from paged_backend.worker.attention_op import compiled_attention_step
 from paged_backend.worker.cache_engine import CacheEngine
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,6 @@ class CompiledForward:
         if mode not in ("background", "blocking"):
             raise ValueError(f"CompiledForward mode must be 'background' or 'blocking', got {mode!r}")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
-        import paged_backend.worker.attention_op  # noqa: F401  (registers torch.ops.paged_backend.attend_step)
         from paged_backend.worker.kernel_linear import use_linear_kernel
 
         linear_kernels = use_linear_kernel(model)   # the linear layers our kernel serves on this CPU, when compiled
@@ -131,6 +131,7 @@ class CompiledForward:
         self._run_only = torch._dynamo.run(self._compiled)
         self._scratch = _ScratchStep(cache_engine)
         self._paged_attention = paged_attention
+        self._windows: set = set()   # the sliding windows (None: none) of the model's attention layers, as met
         self.stats = CompileStats(mode, os.environ["TORCHINDUCTOR_CACHE_DIR"], linear_kernels=linear_kernels)
         self._done = threading.Event()
         if mode == "blocking":
@@ -152,7 +153,8 @@ class CompiledForward:
                                 device=sample_indices.device)
             padded[:keep] = sample_indices
             sample_indices = padded
-        return self._run_only(input_ids, positions, sample_indices)[:keep]
+        with compiled_attention_step(current_metadata(), self._windows):
+            return self._run_only(input_ids, positions, sample_indices)[:keep]
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait until every bucket is compiled (or failed); True when done."""
@@ -170,7 +172,8 @@ class CompiledForward:
         began = time.perf_counter()
         try:
             args, metadata = self._scratch.inputs(bucket)
-            with torch.no_grad(), attention_context(metadata), self._paged_attention():
+            with torch.no_grad(), attention_context(metadata), self._paged_attention(), \
+                    compiled_attention_step(metadata, set()):
                 self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - a bucket that cannot compile stays eager, and says why
             state.error = f"{type(exc).__name__}: {exc}"[:2000]

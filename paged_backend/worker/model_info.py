@@ -52,7 +52,8 @@ def kernel_lines(device: torch.device) -> List[str]:
     """The kernels that run attention and sampling on `device`, and why a C++ kernel fell back to PyTorch."""
     in_use = kernels.kernels_in_use(device)
     lines = [f"kernels ({device.type}):".ljust(20) + f"attention {in_use['attention']}, sampler {in_use['sampler']}, "
-                                                   f"compiled linear {in_use['linear_rows']}"]
+                                                   f"compiled linear {in_use['linear_rows']}, "
+                                                   f"compiled attention {in_use['attend_layer']}"]
     for name, reason in kernels.kernel_fallback_reasons().items():
         lines.append("".ljust(20) + f"{name} not built: {reason[:300]}")
     if device.type == "cpu":   # the instruction sets found at run time, and what the kernels use of them
