@@ -173,6 +173,7 @@ struct Params {
 
 struct WorkItem {
   int64_t seq, row_begin, row_end;  // query rows [row_begin, row_end) of sequence seq
+  int64_t kv_begin, kv_end;         // its KV heads [kv_begin, kv_end): all, unless items are fewer than threads
 };
 
 constexpr int64_t kRowBlock = 4;  // query rows sharing each loaded K/V vector in the prefill micro-kernels
@@ -338,7 +339,7 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
 
   // Rows are ordered (KV head, token, head within the group), so each KV head's rows are contiguous.
   auto row_of = [&](int64_t kv_head, int64_t t, int64_t g) { return (kv_head * num_tokens + t) * group + g; };
-  for (int64_t kh = 0; kh < kv_heads; ++kh)
+  for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh)
     for (int64_t t = 0; t < num_tokens; ++t)
       for (int64_t g = 0; g < group; ++g) {
         const Acc* src = p.query + ((item.row_begin + t) * heads + kh * group + g) * d_size;
@@ -351,18 +352,18 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
     for (int64_t k = 0; k < n; ++k) {
       const int64_t pos = tile + k, block = table[pos / p.block_size], offset = pos % p.block_size;
       const int64_t k_base = block * p.k_strides[0] + offset * p.k_strides[1];
-      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh) {
         const int64_t slot = kh * kKeyTile + k;
         w.key_rows[slot] = cache_row<Acc, Type>(p.key_cache, k_base + kh * p.k_strides[2], d_size,
                                                 w.rows_buffer.data() + slot * d_size);
       }
     }
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+    for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh) {
       Acc* s = w.scores.data() + kh * kv_rows * kKeyTile;
       tile_scores(w.q.data() + kh * kv_rows * d_size, kv_rows, w.key_rows.data() + kh * kKeyTile, n, d_size, s,
                   w.transposed.data());
     }
-    for (int64_t kh = 0; kh < kv_heads; ++kh)
+    for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh)
       for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t qpos = first_pos + t;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - tile) : 0;
@@ -380,19 +381,19 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
     for (int64_t k = 0; k < n; ++k) {
       const int64_t pos = tile + k;
       const int64_t base = table[pos / p.block_size] * p.v_strides[0] + (pos % p.block_size) * p.v_strides[1];
-      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh) {
         const int64_t slot = kh * kKeyTile + k;
         w.value_rows[slot] = cache_row<Acc, Type>(p.value_cache, base + kh * p.v_strides[2], d_size,
                                                   w.rows_buffer.data() + slot * d_size);
       }
     }
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+    for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh) {
       const int64_t r = kh * kv_rows;
       accumulate_rows(w.acc.data() + r * d_size, w.scores.data() + r * kKeyTile, w.value_rows.data() + kh * kKeyTile,
                       n, d_size, kv_rows);
     }
   }
-  for (int64_t kh = 0; kh < kv_heads; ++kh)
+  for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh)
     for (int64_t t = 0; t < num_tokens; ++t)
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = row_of(kh, t, g), head = kh * group + g;
@@ -405,18 +406,29 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
       }
 }
 
-std::vector<WorkItem> work_items(const int64_t* query_start, int64_t num_seqs) {
+// Query tiles with all their KV heads, so each K/V row is read once; where there are fewer tiles than threads (a
+// decode step of fewer sequences than cores) each tile's KV heads are split among the threads instead. Heads do not
+// interact: the results are the same bit for bit.
+std::vector<WorkItem> work_items(const int64_t* query_start, int64_t num_seqs, int64_t kv_heads,
+                                 int64_t num_threads) {
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t row = query_start[s]; row < query_start[s + 1]; row += kQueryTile)
-      items.push_back({s, row, std::min(row + kQueryTile, query_start[s + 1])});
+      items.push_back({s, row, std::min(row + kQueryTile, query_start[s + 1]), 0, kv_heads});
   }
-  return items;
+  const int64_t tiles = int64_t(items.size());
+  if (tiles == 0 || tiles >= num_threads || kv_heads < 2) return items;
+  const int64_t parts = std::min(kv_heads, (num_threads + tiles - 1) / tiles);   // KV-head groups per tile
+  std::vector<WorkItem> split;
+  for (const WorkItem& item : items)
+    for (int64_t part = 0; part < parts; ++part)
+      split.push_back({item.seq, item.row_begin, item.row_end, kv_heads * part / parts, kv_heads * (part + 1) / parts});
+  return split;
 }
 
 template <typename Acc, int64_t Type>
 void run(const Params<Acc>& p, int64_t num_seqs, int64_t num_threads) {
-  const std::vector<WorkItem> items = work_items(p.query_start, num_seqs);
+  const std::vector<WorkItem> items = work_items(p.query_start, num_seqs, p.num_kv_heads, num_threads);
   const int64_t total = int64_t(items.size());
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && total > 1)
   {

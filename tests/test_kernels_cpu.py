@@ -116,6 +116,26 @@ def test_cpu_kernel_is_deterministic_across_thread_counts():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("kv_heads", [3, 4])
+@pytest.mark.parametrize("context_lens", [[170], [9, 300]], ids=["one-sequence", "two-sequences"])
+def test_decode_steps_of_fewer_sequences_than_threads_split_the_kv_heads_with_the_same_results(kv_heads,
+                                                                                             context_lens):
+    """At one new token per sequence and fewer sequences than threads, each sequence's KV heads are shared among
+    the threads (cpu_attention.cpp, `work_items`): bit-identical to one thread attending all of them."""
+    inputs = make_paged_inputs(case_seed(f"cpu-split-{kv_heads}-{len(context_lens)}"), torch.float32, 3 * kv_heads,
+                               kv_heads, 32, 16, context_lens, [1] * len(context_lens))
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for count in (1, 2, 3, 8):
+            torch.set_num_threads(count)
+            outs[count] = cpu.paged_attention(*inputs.args())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[1], out) for out in outs.values())
+    torch.testing.assert_close(outs[1].double(), _dense(inputs), rtol=2e-5, atol=2e-5)
+
+
 def test_cpu_plan_refuses_tables_outside_the_cache_and_inconsistent_metadata():
     inputs = make_paged_inputs(case_seed("cpu-bad"), torch.float32, 4, 2, 16, 8, [9, 1], [2, 1])
     query, kc, vc, tables, lens, starts, scale = inputs.args()
