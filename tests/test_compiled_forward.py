@@ -202,3 +202,37 @@ def test_compile_option_is_validated_everywhere():
     assert parse_model_options({"model": "tiny-llama", "compile": "blocking"}).engine["compile"] == "blocking"
     with pytest.raises(ValueError, match="enforce_eager"):
         parse_model_options({"model": "tiny-llama", "compile": True, "enforce_eager": True})
+
+
+def test_the_guard_filter_drops_the_models_guards_and_keeps_the_inputs():
+    """`skip_model_guards`: a change of a module attribute no longer triggers a new compilation (its guard is
+    gone), a new input shape still does (the guards that pick a step's bucket stay)."""
+    from paged_backend.worker.compiled_forward import GUARD_FILTER, skip_model_guards
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.factor = 2.0
+            self.weight = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.factor * self.weight
+
+    def compilations(guard_filter) -> int:
+        module, graphs = Scale(), []
+
+        def backend(graph_module, example_inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+        options = {"guard_filter_fn": guard_filter} if guard_filter else None
+        step = torch.compile(lambda x: module(x), backend=backend, options=options)
+        step(torch.ones(3))
+        module.factor = 3.0
+        step(torch.ones(3))
+        step(torch.ones(2, 3))
+        return len(graphs)
+
+    assert GUARD_FILTER is skip_model_guards
+    assert compilations(None) == 3
+    assert compilations(skip_model_guards) == 2

@@ -46,6 +46,19 @@ BUCKETS = ("single", "batch")
 # batch-1 decode 29.3 -> 26.5 ms/token; the first compilation takes about 3 minutes instead of 1).
 INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384, "cpp_wrapper": True}
 
+
+def skip_model_guards(guard_entries) -> list:
+    """Dynamo's guard filter for the step forward: keep the guards on the step's inputs (which bucket a step
+    takes) and on global state, drop those on the model's attributes (parameters, buffers, module flags, config):
+    a decode step checked about 300 of them, 0.7 ms of a 17 ms bfloat16 step on 2 cores. The engine never replaces
+    or reshapes a parameter, changes a module's mode or edits the config while it runs (LoRA, which chooses
+    weights per step, is refused with compile); in-place updates of weights need no guard, the compiled code reads
+    the tensors it is given at each call."""
+    return torch.compiler.skip_guard_on_all_nn_modules_unsafe(guard_entries)
+
+
+GUARD_FILTER = skip_model_guards
+
 MAX_BATCH_TOKENS = 1 << 20   # the batch bucket's bound on a step's tokens (a larger step runs eagerly)
 
 StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -127,7 +140,8 @@ class CompiledForward:
 
         linear_kernels = use_linear_kernel(model)   # the linear layers our kernel serves on this CPU, when compiled
         self.eager = eager_forward(model)
-        self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+        self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True,
+                                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": GUARD_FILTER})
         self._run_only = torch._dynamo.run(self._compiled)
         self._scratch = _ScratchStep(cache_engine)
         self._paged_attention = paged_attention
