@@ -51,10 +51,10 @@ def compiled_attention_step(metadata: Optional[AttentionMetadata], windows: Set[
                                        all(scales == (1.0, 1.0) for scales in metadata.kv_scales))
     with cpu_attention_step.attention_step(metadata.kv_caches if usable else None) as active:
         if active:
-            for window in windows:
-                step_plan(metadata, window, metadata.kv_caches[0][0])
-            for window, plan in metadata.plans.items():   # built before the forward (set again: harmless)
+            for window, plan in metadata.plans.items():   # built before the forward
                 cpu_attention_step.set_plan(window, plan)
+            for window in windows - metadata.plans.keys():   # step_plan gives the operator each plan it builds
+                step_plan(metadata, window, metadata.kv_caches[0][0])
         yield active
         if active:
             windows.update(metadata.plans)
