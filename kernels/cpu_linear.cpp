@@ -166,57 +166,103 @@ void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float
   }
 }
 
+// One weight of a product over a shared x: its rows, bias (or null), output and output row stride.
 template <int64_t Kind>
-void linear(const Element<Kind>* x, int64_t x_stride, const Element<Kind>* weight, const Element<Kind>* bias,
-            Element<Kind>* out,
-            int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t num_threads) {
+struct Segment {
+  const Element<Kind>* weight;
+  const Element<Kind>* bias;
+  Element<Kind>* out;
+  int64_t out_stride;
+  int64_t n;
+};
+
+// out_s = x W_s^T (+ bias_s) for every segment s, in one parallel region: the weights' row blocks are shared among
+// the threads as one list, so the layers that read the same x (a layer's q, k and v; gate and up) cost one fork
+// and join instead of one each, and each thread's share is balanced over their total rows. Each output row is
+// the same dot product as for a segment alone.
+template <int64_t Kind>
+void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segments, int64_t count, int64_t m,
+            int64_t k, int64_t num_threads) {
   thread_local std::vector<float> wide, sums;   // x in float32, and the float32 results before rounding
+  thread_local std::vector<int64_t> first_task, sum_offset;   // per segment: its first work item, its sums
   wide.resize(static_cast<size_t>(m * k));
-  sums.resize(static_cast<size_t>(m * n));
+  first_task.resize(static_cast<size_t>(count + 1));
+  sum_offset.resize(static_cast<size_t>(count));
+  int64_t tasks = 0, total = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    first_task[s] = tasks;
+    sum_offset[s] = total;
+    tasks += (segments[s].n + kRowsPerTask - 1) / kRowsPerTask;
+    total += m * segments[s].n;
+  }
+  first_task[count] = tasks;
+  sums.resize(static_cast<size_t>(total));
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < k; ++i) wide[r * k + i] = widen_one<Kind>(x[r * x_stride + i]);
-  const int64_t tasks = (n + kRowsPerTask - 1) / kRowsPerTask;
   float* const sum_data = sums.data();
   const float* const x_data = wide.data();
+  const int64_t* const firsts = first_task.data();
+  const int64_t* const offsets = sum_offset.data();
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t n0 = t * kRowsPerTask, n1 = n0 + kRowsPerTask < n ? n0 + kRowsPerTask : n;
+    int64_t s = 0;
+    while (firsts[s + 1] <= t) ++s;
+    const Segment<Kind>& seg = segments[s];
+    const int64_t n = seg.n;
+    const int64_t n0 = (t - firsts[s]) * kRowsPerTask, n1 = n0 + kRowsPerTask < n ? n0 + kRowsPerTask : n;
+    float* const seg_sums = sum_data + offsets[s];
     for (int64_t r = 0; r < m; r += kMaxRows) {
       const int64_t rows = m - r < kMaxRows ? m - r : kMaxRows;
-      dot_block<Kind>(rows, weight, k, x_data + r * k, n0, n1, sum_data + r * n, n);
+      dot_block<Kind>(rows, seg.weight, k, x_data + r * k, n0, n1, seg_sums + r * n, n);
     }
   }
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < n; ++j) {
-      float s = sums[r * n + j];
-      if (bias != nullptr) s += widen_one<Kind>(bias[j]);
-      out[r * out_stride + j] = narrow<Kind>(s);
-    }
+  for (int64_t s = 0; s < count; ++s) {
+    const Segment<Kind>& seg = segments[s];
+    const float* seg_sums = sum_data + offsets[s];
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < seg.n; ++j) {
+        float v = seg_sums[r * seg.n + j];
+        if (seg.bias != nullptr) v += widen_one<Kind>(seg.bias[j]);
+        seg.out[r * seg.out_stride + j] = narrow<Kind>(v);
+      }
+  }
+}
+
+template <int64_t Kind>
+int linear_kind(const void* x, int64_t x_stride, const void* const* weights, const void* const* biases,
+                void* const* outs, const int64_t* ns, int64_t count, int64_t m, int64_t k, int64_t num_threads) {
+  thread_local std::vector<Segment<Kind>> segments;
+  segments.resize(static_cast<size_t>(count));
+  for (int64_t s = 0; s < count; ++s) {
+    if (ns[s] < 0) return -1;
+    segments[s] = {static_cast<const Element<Kind>*>(weights[s]), static_cast<const Element<Kind>*>(biases[s]),
+                   static_cast<Element<Kind>*>(outs[s]), ns[s], ns[s]};
+  }
+  linear<Kind>(static_cast<const Element<Kind>*>(x), x_stride, segments.data(), count, m, k, num_threads);
+  return 0;
 }
 
 }  // namespace
 
 extern "C" {
 
-// out[m, n] = x[m, k] W[n, k]^T (+ bias[n]), all of one kind (0: bfloat16, 1: float16, 2: float32); x and out
-// have row strides, W and bias are contiguous. Returns 0, or -1 for an unknown kind or a bad size.
-int linear_rows(const void* x, int64_t x_stride, const void* weight, const void* bias, void* out,
-                int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t kind, int64_t num_threads) {
-  if (m < 0 || n < 0 || k < 0 || x_stride < k || out_stride < n) return -1;
-  if (kind == kBFloat16 || kind == kFloat16) {
-    const auto* xs = static_cast<const uint16_t*>(x);
-    const auto* ws = static_cast<const uint16_t*>(weight);
-    const auto* bs = static_cast<const uint16_t*>(bias);
-    auto* os = static_cast<uint16_t*>(out);
-    if (kind == kBFloat16) linear<kBFloat16>(xs, x_stride, ws, bs, os, out_stride, m, n, k, num_threads);
-    else linear<kFloat16>(xs, x_stride, ws, bs, os, out_stride, m, n, k, num_threads);
-  } else if (kind == kFloat32) {
-    linear<kFloat32>(static_cast<const float*>(x), x_stride, static_cast<const float*>(weight),
-                     static_cast<const float*>(bias), static_cast<float*>(out), out_stride, m, n, k, num_threads);
-  } else {
-    return -1;
-  }
-  return 0;
+// outs[s][m, ns[s]] = x[m, k] W_s[ns[s], k]^T (+ biases[s]) for `count` weights over one x, all of one kind (0:
+// bfloat16, 1: float16, 2: float32); x has a row stride, the weights, biases (null: none) and outputs are
+// contiguous. Returns 0, or -1 for an unknown kind or a bad size.
+int linear_rows_multi(const void* x, int64_t x_stride, const void* const* weights, const void* const* biases,
+                      void* const* outs, const int64_t* ns, int64_t count, int64_t m, int64_t k, int64_t kind,
+                      int64_t num_threads) {
+  if (m < 0 || k < 0 || count < 1 || x_stride < k) return -1;
+  if (kind == kBFloat16) return linear_kind<kBFloat16>(x, x_stride, weights, biases, outs, ns, count, m, k, num_threads);
+  if (kind == kFloat16) return linear_kind<kFloat16>(x, x_stride, weights, biases, outs, ns, count, m, k, num_threads);
+  if (kind == kFloat32) return linear_kind<kFloat32>(x, x_stride, weights, biases, outs, ns, count, m, k, num_threads);
+  return -1;
+}
+
+// out[m, n] = x[m, k] W[n, k]^T (+ bias[n]): `linear_rows_multi` of one weight (out contiguous, row stride n).
+int linear_rows(const void* x, int64_t x_stride, const void* weight, const void* bias, void* out, int64_t m,
+                int64_t n, int64_t k, int64_t kind, int64_t num_threads) {
+  return linear_rows_multi(x, x_stride, &weight, &bias, &out, &n, 1, m, k, kind, num_threads);
 }
 
 }

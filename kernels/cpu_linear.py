@@ -25,16 +25,29 @@ FEW_ROWS = 8
 FLOAT32_ROWS = 16
 
 
+GROUP_SIZES = (2, 3, 4)   # the weights `linear_rows_N` takes: a layer's gate and up, q k v, a fourth projection
+
+
+def group_schema(count: int) -> str:
+    """`linear_rows_N`'s schema: a Tensor argument per weight and bias (not lists, and a tuple of results, not
+    a list), so that inductor's C++ wrapper calls it through the dispatcher, not through Python."""
+    pairs = ", ".join(f"Tensor w{i}, Tensor? b{i}" for i in range(count))
+    return f"linear_rows_{count}(Tensor x, {pairs}, int max_rows) -> ({', '.join(['Tensor'] * count)})"
+
+
 _operators: list = []   # the torch.library.Library defining the operators' schemas, kept alive
 
 
 def define_ops() -> None:
     """Define `paged_backend::linear_rows(x, weight, bias, max_rows)` (the kernel for operands it takes and at most
-    `max_rows` rows when max_rows > 0, PyTorch's linear otherwise) and
-    `paged_backend::linear_rows_kernel_calls()` (how often its kernel ran in this process), once."""
+    `max_rows` rows when max_rows > 0, PyTorch's linear otherwise), `paged_backend::linear_rows_N(x, w0, b0, ...,
+    max_rows)` for N in GROUP_SIZES (N weights over one x in one parallel region, each output as `linear_rows`'s) and
+    `paged_backend::linear_rows_kernel_calls()` (how often their kernel ran in this process), once."""
     if not _operators:
         library = torch.library.Library("paged_backend", "FRAGMENT")
         library.define("linear_rows(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor")
+        for count in GROUP_SIZES:
+            library.define(group_schema(count))
         library.define("linear_rows_kernel_calls() -> int")
         _operators.append(library)
 

@@ -16,6 +16,8 @@
 
 #include <atomic>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "cpu_linear.cpp"
 
@@ -36,32 +38,94 @@ bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return rows >= 1 && (max_rows <= 0 || rows <= max_rows);
 }
 
+int64_t kind_of(const at::Tensor& weight) {
+  return weight.scalar_type() == at::kBFloat16 ? kBFloat16 : weight.scalar_type() == at::kHalf ? kFloat16 : kFloat32;
+}
+
+// The kernel's products of x with each weight: one parallel region for them all.
+std::vector<at::Tensor> kernel_products(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                        const std::vector<std::optional<at::Tensor>>& biases) {
+  const int64_t k = weights[0].size(1);
+  at::Tensor rows = x.reshape({-1, k});
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  const int64_t m = rows.size(0);
+  std::vector<at::Tensor> outs;
+  std::vector<const void*> weight_data, bias_data;
+  std::vector<void*> out_data;
+  std::vector<int64_t> ns;
+  for (size_t s = 0; s < weights.size(); ++s) {
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = weights[s].size(0);
+    outs.push_back(at::empty(sizes, x.options()));
+    weight_data.push_back(weights[s].data_ptr());
+    bias_data.push_back(biases[s].has_value() ? biases[s]->data_ptr() : nullptr);
+    out_data.push_back(outs.back().data_ptr());
+    ns.push_back(weights[s].size(0));
+  }
+  const int status = linear_rows_multi(rows.data_ptr(), m > 1 ? rows.stride(0) : k, weight_data.data(),
+                                       bias_data.data(), out_data.data(), ns.data(),
+                                       static_cast<int64_t>(weights.size()), m, k, kind_of(weights[0]),
+                                       at::get_num_threads());
+  TORCH_CHECK(status == 0, "linear_rows: the kernel refused its arguments");
+  kernel_calls.fetch_add(1, std::memory_order_relaxed);
+  return outs;
+}
+
 at::Tensor linear_rows_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            int64_t max_rows) {
   if (!kernel_takes(x, weight, bias, max_rows)) return at::linear(x, weight, bias);
-  const int64_t k = weight.size(1), n = weight.size(0);
-  at::Tensor rows = x.reshape({-1, k});
-  if (rows.stride(1) != 1) rows = rows.contiguous();
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = n;
-  at::Tensor out = at::empty(sizes, x.options());
-  const int64_t m = rows.size(0);
-  const int status = linear_rows(rows.data_ptr(), m > 1 ? rows.stride(0) : k, weight.data_ptr(),
-                                 bias.has_value() ? bias->data_ptr() : nullptr, out.data_ptr(), n, m, n, k,
-                                 weight.scalar_type() == at::kBFloat16 ? kBFloat16
-                                 : weight.scalar_type() == at::kHalf  ? kFloat16
-                                                                      : kFloat32,
-                                 at::get_num_threads());
-  TORCH_CHECK(status == 0, "linear_rows: the kernel refused its arguments");
-  kernel_calls.fetch_add(1, std::memory_order_relaxed);
-  return out;
+  return kernel_products(x, {weight}, {bias})[0];
+}
+
+// `linear_rows` of several weights over the same x (the compiled forward's graph pass groups them,
+// worker/linear_fusion.py): one call and one parallel region when the kernel takes every weight, else each alone.
+std::vector<at::Tensor> linear_rows_group(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                          const std::vector<std::optional<at::Tensor>>& biases, int64_t max_rows) {
+  bool takes = true;
+  for (size_t s = 0; s < weights.size(); ++s)
+    takes = takes && kernel_takes(x, weights[s], biases[s], max_rows) &&
+            weights[s].scalar_type() == weights[0].scalar_type();
+  if (takes) return kernel_products(x, weights, biases);
+  std::vector<at::Tensor> outs;
+  for (size_t s = 0; s < weights.size(); ++s) outs.push_back(linear_rows_cpu(x, weights[s], biases[s], max_rows));
+  return outs;
+}
+
+// Fixed arities with one Tensor argument per weight and bias, so that inductor's C++ wrapper calls them through
+// the dispatcher's stable interface like `linear_rows` (a Tensor[] argument or result would be a call into Python).
+using OptTensor = std::optional<at::Tensor>;
+
+std::tuple<at::Tensor, at::Tensor> linear_rows_2_cpu(const at::Tensor& x, const at::Tensor& w0, const OptTensor& b0,
+                                                     const at::Tensor& w1, const OptTensor& b1, int64_t max_rows) {
+  auto outs = linear_rows_group(x, {w0, w1}, {b0, b1}, max_rows);
+  return {outs[0], outs[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_rows_3_cpu(const at::Tensor& x, const at::Tensor& w0,
+                                                                 const OptTensor& b0, const at::Tensor& w1,
+                                                                 const OptTensor& b1, const at::Tensor& w2,
+                                                                 const OptTensor& b2, int64_t max_rows) {
+  auto outs = linear_rows_group(x, {w0, w1, w2}, {b0, b1, b2}, max_rows);
+  return {outs[0], outs[1], outs[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_rows_4_cpu(
+    const at::Tensor& x, const at::Tensor& w0, const OptTensor& b0, const at::Tensor& w1, const OptTensor& b1,
+    const at::Tensor& w2, const OptTensor& b2, const at::Tensor& w3, const OptTensor& b3, int64_t max_rows) {
+  auto outs = linear_rows_group(x, {w0, w1, w2, w3}, {b0, b1, b2, b3}, max_rows);
+  return {outs[0], outs[1], outs[2], outs[3]};
 }
 
 int64_t linear_rows_kernel_calls() { return kernel_calls.load(std::memory_order_relaxed); }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(paged_backend, CPU, m) { m.impl("linear_rows", &linear_rows_cpu); }
+TORCH_LIBRARY_IMPL(paged_backend, CPU, m) {
+  m.impl("linear_rows", &linear_rows_cpu);
+  m.impl("linear_rows_2", &linear_rows_2_cpu);
+  m.impl("linear_rows_3", &linear_rows_3_cpu);
+  m.impl("linear_rows_4", &linear_rows_4_cpu);
+}
 
 TORCH_LIBRARY_IMPL(paged_backend, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_kernel_calls", &linear_rows_kernel_calls);

@@ -174,6 +174,54 @@ def test_use_linear_kernel_swaps_the_linears_it_serves_and_eager_calls_stay_pyto
         use_linear_kernel(off)
 
 
+def group(x: torch.Tensor, weights, biases, max_rows: int = 0):
+    """`linear_rows_N` over the weights (N = their count)."""
+    args = [a for pair in zip(weights, biases) for a in pair]
+    return getattr(torch.ops.paged_backend, f"linear_rows_{len(weights)}")(x, *args, max_rows)
+
+
+@pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_several_weights_over_one_input_are_each_the_single_product_bit_for_bit(dtype, rows, threads):
+    """`linear_rows_N` (one call, one parallel region for a layer's q, k and v) gives each weight's output exactly
+    as `linear_rows` alone, biases or not, however the threads share the weights' rows (17 and 40: row counts
+    off the 16-row work item and the 4-row tile)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 67, generator=g).to(dtype)
+    weights = [torch.randn(n, 67, generator=g).to(dtype) for n in (40, 8, 17, 5)]
+    biases = [None, torch.randn(8, generator=g).to(dtype), torch.randn(17, generator=g).to(dtype), None]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for count in cpu_linear.GROUP_SIZES:
+            calls = cpu_linear.kernel_calls()
+            outs = group(x, weights[:count], biases[:count])
+            assert cpu_linear.kernel_calls() == calls + 1 and len(outs) == count
+            for out, w, b in zip(outs, weights, biases):
+                assert out.shape == (rows, w.shape[0]) and torch.equal(out, kernel(x, w, b))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_several_weights_fall_back_together():
+    """Above the row limit every weight is PyTorch's linear; a weight the kernel does not take (strided) sends
+    each weight through `linear_rows` alone."""
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(n, 32, generator=g).bfloat16() for n in (12, 4)]
+    many = torch.randn(9, 32, generator=g).bfloat16()
+    calls = cpu_linear.kernel_calls()
+    outs = group(many, weights, [None, None], 8)
+    assert cpu_linear.kernel_calls() == calls
+    assert all(torch.equal(o, F.linear(many, w)) for o, w in zip(outs, weights))
+    x = many[:2]
+    strided = torch.randn(32, 6, generator=g).bfloat16().T
+    outs = group(x, [*weights, strided], [None, None, None], 8)
+    assert cpu_linear.kernel_calls() == calls + 2   # the two contiguous weights alone, the strided one PyTorch's
+    assert [torch.equal(o, e) for o, e in zip(outs, [kernel(x, weights[0]), kernel(x, weights[1]),
+                                                     F.linear(x, strided)])] == [True] * 3
+
+
 @pytest.mark.parametrize("limit", [0, 8])
 def test_the_compiled_graph_calls_the_operator(limit):
     """Traced (no code generated: aot_eager), a KernelLinear is the operator with its row limit."""

@@ -35,6 +35,7 @@ import torch
 from paged_backend.worker.attention import AttentionMetadata, attention_context, current_metadata
 from paged_backend.worker.attention_op import compiled_attention_step
 from paged_backend.worker.cache_engine import CacheEngine
+from paged_backend.worker.linear_fusion import FuseSharedInputLinears
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ class CompiledForward:
         linear_kernels = use_linear_kernel(model)   # the linear layers our kernel serves on this CPU, when compiled
         self.eager = eager_forward(model)
         self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True,
-                                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": GUARD_FILTER})
+                                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": GUARD_FILTER,
+                                                "post_grad_custom_pre_pass": FuseSharedInputLinears()})
         self._run_only = torch._dynamo.run(self._compiled)
         self._scratch = _ScratchStep(cache_engine)
         self._paged_attention = paged_attention

@@ -26,6 +26,15 @@ def _linear_rows_shape(x, weight, bias, max_rows):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _group_shapes(x, *weights_biases_rows):
+    weights = weights_biases_rows[:-1:2]
+    return tuple(x.new_empty((*x.shape[:-1], weight.shape[0])) for weight in weights)
+
+
+for _count in cpu_linear.GROUP_SIZES:
+    torch.library.register_fake(f"paged_backend::linear_rows_{_count}")(_group_shapes)
+
+
 class KernelLinear(torch.nn.Linear):
     """An `nn.Linear` whose compiled forward is `paged_backend::linear_rows`; eagerly it is `nn.Linear`."""
 
