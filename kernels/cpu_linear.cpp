@@ -147,8 +147,41 @@ inline void dot_tile(const Element<Kind>* weight, int64_t k, const float* x, int
     }
 }
 
+// One weight row's dot product with one row of x, read front to back with four accumulators along k (element i
+// goes to accumulator (i / L) % 4) and a software prefetch 1 KiB ahead: consecutive rows make one sequential
+// stream per thread, which the hardware prefetchers follow better than dot_tile's four interleaved rows when rows
+// are short (on a 2-core AVX2 EPYC, 1-row products over 576-wide rows: bfloat16 28 -> 34-39 GB/s, float32 39 ->
+// 43; over 1536-wide rows the tiles stay faster). The order of its additions differs from dot_tile's, so a row's
+// result may differ in the last bits between a 1-row product and a product of more rows.
+template <int64_t Kind>
+inline float dot_row(const Element<Kind>* w, int64_t k, const float* x) {
+  constexpr int64_t kLine = 64 / sizeof(Element<Kind>);
+  constexpr int64_t kAhead = 1024 / sizeof(Element<Kind>);
+  constexpr int64_t kStep = 4 * L;
+  FloatVector a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + kStep <= k; i += kStep) {
+    for (int64_t p = 0; p < kStep; p += kLine) __builtin_prefetch(w + i + p + kAhead);
+    a0 += widen<Kind>(w + i) * cpu_kernels::load<float>(x + i);
+    a1 += widen<Kind>(w + i + L) * cpu_kernels::load<float>(x + i + L);
+    a2 += widen<Kind>(w + i + 2 * L) * cpu_kernels::load<float>(x + i + 2 * L);
+    a3 += widen<Kind>(w + i + 3 * L) * cpu_kernels::load<float>(x + i + 3 * L);
+  }
+  for (; i + L <= k; i += L) a0 += widen<Kind>(w + i) * cpu_kernels::load<float>(x + i);
+  float s = cpu_kernels::horizontal_sum<float>((a0 + a1) + (a2 + a3));
+  for (; i < k; ++i) s += widen_one<Kind>(w[i]) * x[i];
+  return s;
+}
+
+// The longest rows (in elements) that one-row products read row by row (dot_row) rather than in tiles.
+constexpr int64_t kRowByRowMaxK = 1024;
+
 template <int64_t Kind, int64_t M>
 void dot_rows(const Element<Kind>* weight, int64_t k, const float* x, int64_t n0, int64_t n1, float* sums, int64_t n) {
+  if (M == 1 && k <= kRowByRowMaxK) {
+    for (int64_t j = n0; j < n1; ++j) sums[j] = dot_row<Kind>(weight + j * k, k, x);
+    return;
+  }
   constexpr int64_t R = M <= 2 ? 4 : 2;
   int64_t j = n0;
   for (; j + R <= n1; j += R) dot_tile<Kind, M, R>(weight, k, x, j, sums, n);

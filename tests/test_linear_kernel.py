@@ -38,7 +38,9 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("in_features", [576, 67])   # a multiple of every vector width, and a tail
+# 576: a multiple of every vector width; 67 and 83: tails of vectors and of elements (one-row products read rows
+# of up to 1024 elements one by one, four vectors at a time); 1100: rows long enough for the tiles at one row
+@pytest.mark.parametrize("in_features", [576, 67, 83, 1100])
 def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features):
     """Small integers: every product and partial sum is exact in float32, so the result is the exact sum rounded
     once to the dtype, whatever the order of the additions; any misplaced row, column or tail element shows."""
