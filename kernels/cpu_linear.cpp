@@ -199,13 +199,12 @@ void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float
   }
 }
 
-// One weight of a product over a shared x: its rows, bias (or null), output and output row stride.
+// One weight of a product over a shared x: its n rows, bias (or null) and contiguous [m, n] output.
 template <int64_t Kind>
 struct Segment {
   const Element<Kind>* weight;
   const Element<Kind>* bias;
   Element<Kind>* out;
-  int64_t out_stride;
   int64_t n;
 };
 
@@ -256,7 +255,7 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
       for (int64_t j = 0; j < seg.n; ++j) {
         float v = seg_sums[r * seg.n + j];
         if (seg.bias != nullptr) v += widen_one<Kind>(seg.bias[j]);
-        seg.out[r * seg.out_stride + j] = narrow<Kind>(v);
+        seg.out[r * seg.n + j] = narrow<Kind>(v);
       }
   }
 }
@@ -269,7 +268,7 @@ int linear_kind(const void* x, int64_t x_stride, const void* const* weights, con
   for (int64_t s = 0; s < count; ++s) {
     if (ns[s] < 0) return -1;
     segments[s] = {static_cast<const Element<Kind>*>(weights[s]), static_cast<const Element<Kind>*>(biases[s]),
-                   static_cast<Element<Kind>*>(outs[s]), ns[s], ns[s]};
+                   static_cast<Element<Kind>*>(outs[s]), ns[s]};
   }
   linear<Kind>(static_cast<const Element<Kind>*>(x), x_stride, segments.data(), count, m, k, num_threads);
   return 0;
@@ -290,12 +289,6 @@ int linear_rows_multi(const void* x, int64_t x_stride, const void* const* weight
   if (kind == kFloat16) return linear_kind<kFloat16>(x, x_stride, weights, biases, outs, ns, count, m, k, num_threads);
   if (kind == kFloat32) return linear_kind<kFloat32>(x, x_stride, weights, biases, outs, ns, count, m, k, num_threads);
   return -1;
-}
-
-// out[m, n] = x[m, k] W[n, k]^T (+ bias[n]): `linear_rows_multi` of one weight (out contiguous, row stride n).
-int linear_rows(const void* x, int64_t x_stride, const void* weight, const void* bias, void* out, int64_t m,
-                int64_t n, int64_t k, int64_t kind, int64_t num_threads) {
-  return linear_rows_multi(x, x_stride, &weight, &bias, &out, &n, 1, m, k, kind, num_threads);
 }
 
 }

@@ -61,11 +61,12 @@ def _replace(graph: torch.fx.Graph, where: torch.fx.Node, x, max_rows: int, node
 
 
 class FuseSharedInputLinears(CustomGraphPass):
-    """`fuse_shared_input_linears` as inductor's `post_grad_custom_pre_pass`; its uuid (this file's hash) keeps
-    inductor's on-disk cache of compiled graphs valid across runs and new when the pass changes."""
+    """`fuse_shared_input_linears` as inductor's `post_grad_custom_pre_pass`; its uuid (the hash of this file and
+    of cpu_linear.py, which defines the group sizes) keeps inductor's on-disk cache of compiled graphs valid across
+    runs and new when the pass changes."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         fuse_shared_input_linears(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, cpu_linear.__file__))
