@@ -1,4 +1,4 @@
-"""Linear layers at few rows through the compiled kernel (`cpu_linear.cpp`): bfloat16, float16 or float32 weights,
+"""Linear layers through the compiled kernel (`cpu_linear.cpp`): bfloat16, float16 or float32 weights,
 float32 sums (rounded once to a half-precision dtype), as the operator `torch.ops.paged_backend.linear_rows`
 (defined here, its C++ kernel in `cpu_linear_op.cpp`, loaded by `op_available`) that the compiled forward calls,
 with no Python per call; `max_rows` says for which dtypes and row counts this CPU runs it."""

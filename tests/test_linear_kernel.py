@@ -37,8 +37,8 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-# 576: a multiple of every vector width; 67 and 83: tails of vectors and of elements (one-row products read rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
+# 16 rows and more: the blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every vector width; 67 and 83: tails of vectors and of elements (one-row products read rows
 # of up to 1024 elements one by one, four vectors at a time); 1100: rows long enough for the tiles at one row
 @pytest.mark.parametrize("in_features", [576, 67, 83, 1100])
 def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features):
@@ -68,6 +68,18 @@ def test_random_operands_are_within_one_rounding_of_the_exact_sum(dtype):
     ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
     assert ((got - exact).abs() <= exact.abs() * ulp + 1e-6).all()
     assert (got == exact).float().mean() > 0.9   # float32 sums rarely round to another neighbour
+
+
+@pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
+def test_a_row_of_a_product_of_16_rows_or_more_does_not_depend_on_its_neighbours(dtype):
+    """From 16 rows on, each output is one float32 sum over k in order, whatever the other rows: a prompt's
+    logits come out bit for bit the same alone or beside other prompts in a step."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 576, generator=g).to(dtype)
+    w = (torch.randn(37, 576, generator=g) * 0.05).to(dtype)
+    full = kernel(x, w)
+    for start, stop in [(0, 16), (0, 17), (16, 33), (23, 40), (1, 40)]:
+        assert torch.equal(kernel(x[start:stop], w), full[start:stop]), (start, stop)
 
 
 def test_strided_and_batched_inputs():
@@ -183,12 +195,12 @@ def group(x: torch.Tensor, weights, biases, max_rows: int = 0):
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 20])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_several_weights_over_one_input_are_each_the_single_product_bit_for_bit(dtype, rows, threads):
     """`linear_rows_N` (one call, one parallel region for a layer's q, k and v) gives each weight's output exactly
     as `linear_rows` alone, biases or not, however the threads share the weights' rows (17 and 40: row counts
-    off the 16-row work item and the 4-row tile)."""
+    off the 16- and 24-row work items and the 4- and 6-row tiles)."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 67, generator=g).to(dtype)
     weights = [torch.randn(n, 67, generator=g).to(dtype) for n in (40, 8, 17, 5)]
