@@ -246,10 +246,11 @@ inline FloatVector broadcast(const float* p) {   // a load that fills every lane
 template <int64_t Kind>
 void pack_panel(const Element<Kind>* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, float* panels) {
   float* dst = panels + p * k * kPanel;
-  for (int64_t lane = 0; lane < kPanel; ++lane) {
-    const int64_t r = p * kPanel + lane;
-    const Element<Kind>* src = x + r * x_stride;
-    for (int64_t i = 0; i < k; ++i) dst[i * kPanel + lane] = r < m ? widen_one<Kind>(src[i]) : 0.0f;
+  const int64_t rows = m - p * kPanel < kPanel ? m - p * kPanel : kPanel;
+  const Element<Kind>* src = x + p * kPanel * x_stride;
+  for (int64_t i = 0; i < k; ++i) {   // element by element: the panel is written in order, x read along 16 rows
+    for (int64_t lane = 0; lane < rows; ++lane) dst[i * kPanel + lane] = widen_one<Kind>(src[lane * x_stride + i]);
+    for (int64_t lane = rows; lane < kPanel; ++lane) dst[i * kPanel + lane] = 0.0f;
   }
 }
 
@@ -300,9 +301,11 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const float* panels, int64_t
   for (int64_t p = 0; p < m_pad / kPanel; ++p)
     for (int64_t j = 0; j < tiled; j += kTileN)
       gemm_tile(panels + p * k * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel, m_pad);
-  for (int64_t j = 0; j < rows; ++j) {
-    const float bias = seg.bias != nullptr ? widen_one<Kind>(seg.bias[n0 + j]) : 0.0f;
-    for (int64_t r = 0; r < m; ++r) seg.out[r * seg.n + n0 + j] = narrow<Kind>(sums[j * m_pad + r] + bias);
+  float bias[kGemmTask];
+  for (int64_t j = 0; j < rows; ++j) bias[j] = seg.bias != nullptr ? widen_one<Kind>(seg.bias[n0 + j]) : 0.0f;
+  for (int64_t r = 0; r < m; ++r) {   // row by row: each output row's share is written in order
+    Element<Kind>* out = seg.out + r * seg.n + n0;
+    for (int64_t j = 0; j < rows; ++j) out[j] = narrow<Kind>(sums[j * m_pad + r] + bias[j]);
   }
 }
 
