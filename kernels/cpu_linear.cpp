@@ -255,12 +255,15 @@ void pack_panel(const Element<Kind>* x, int64_t x_stride, int64_t m, int64_t k, 
 }
 
 // sums[r * stride + lane] for the tile's 6 weight rows (w, row stride k) and one panel, every accumulator named
-// so that the compiler keeps all twelve in registers.
-inline void gemm_tile(const float* panel, const float* w, int64_t k, float* sums, int64_t stride) {
+// so that the compiler keeps all twelve in registers. Every other step it also prefetches one cache line of
+// [ahead, ahead + ahead_bytes) into L2: the next work item's weights, read while this one computes.
+inline void gemm_tile(const float* panel, const float* w, int64_t k, float* sums, int64_t stride, const char* ahead,
+                      int64_t ahead_bytes) {
   FloatVector c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {};
   FloatVector c30 = {}, c31 = {}, c40 = {}, c41 = {}, c50 = {}, c51 = {};
   const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k, *w4 = w + 4 * k, *w5 = w + 5 * k;
   for (int64_t i = 0; i < k; ++i) {
+    if ((i & 1) == 0 && (i >> 1) * 64 < ahead_bytes) __builtin_prefetch(ahead + (i >> 1) * 64, 0, 2);
     const FloatVector x0 = cpu_kernels::load<float>(panel + i * kPanel);
     const FloatVector x1 = cpu_kernels::load<float>(panel + i * kPanel + L);
     FloatVector b = broadcast(w0 + i);
@@ -291,16 +294,23 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const float* panels, int64_t
     w = src;
   }
   if (Kind != kFloat32 || rows != tiled) {
-    wide.assign(static_cast<size_t>(tiled * k), 0.0f);
+    wide.resize(static_cast<size_t>(tiled * k));
     const int64_t total = rows * k, vec_end = total - total % L;
     for (int64_t i = 0; i < vec_end; i += L) cpu_kernels::store<float>(wide.data() + i, widen<Kind>(src + i));
     for (int64_t i = vec_end; i < total; ++i) wide[i] = widen_one<Kind>(src[i]);
+    std::memset(wide.data() + total, 0, static_cast<size_t>((tiled - rows) * k) * sizeof(float));
     w = wide.data();
   }
+  // The first panel's tiles prefetch the rows after these (the next work item of this thread, mostly), in shares.
+  const int64_t next_rows = seg.n - n1 < kGemmTask ? seg.n - n1 : kGemmTask;
+  const char* ahead = reinterpret_cast<const char*>(seg.weight + n1 * k);
+  const int64_t share = (next_rows * k * static_cast<int64_t>(sizeof(Element<Kind>)) + tiled / kTileN - 1) /
+                        (tiled / kTileN);
   sums.resize(static_cast<size_t>(tiled * m_pad));
   for (int64_t p = 0; p < m_pad / kPanel; ++p)
     for (int64_t j = 0; j < tiled; j += kTileN)
-      gemm_tile(panels + p * k * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel, m_pad);
+      gemm_tile(panels + p * k * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel, m_pad,
+                ahead + (j / kTileN) * share, p == 0 ? share : 0);
   float bias[kGemmTask];
   for (int64_t j = 0; j < rows; ++j) bias[j] = seg.bias != nullptr ? widen_one<Kind>(seg.bias[n0 + j]) : 0.0f;
   for (int64_t r = 0; r < m; ++r) {   // row by row: each output row's share is written in order
