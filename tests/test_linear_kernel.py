@@ -38,8 +38,9 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
-# 16 rows and more: the blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every vector width; 67 and 83: tails of vectors and of elements (one-row products read rows
-# of up to 1024 elements one by one, four vectors at a time); 1100: rows long enough for the tiles at one row
+# 16 rows and more: the blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every
+# vector width; 67 and 83: tails of vectors and of elements (one-row products read rows of up to 1024 elements one
+# by one, four vectors at a time); 1100: rows long enough for the tiles at one row
 @pytest.mark.parametrize("in_features", [576, 67, 83, 1100])
 def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features):
     """Small integers: every product and partial sum is exact in float32, so the result is the exact sum rounded
@@ -83,14 +84,16 @@ def test_a_row_of_a_product_of_16_rows_or_more_does_not_depend_on_its_neighbours
 
 
 def test_strided_and_batched_inputs():
-    """x may be a view with a row stride (a slice of wider rows) and have leading dimensions."""
+    """x may be a view with a row stride (a slice of wider rows) and have leading dimensions, at few rows and in
+    the blocked product (2 x 10 rows)."""
     g = torch.Generator().manual_seed(3)
-    wide = _integers((2, 3, 100), g).to(torch.bfloat16)
-    x = wide[..., :64]
     w = _integers((16, 64), g).to(torch.bfloat16)
-    got = kernel(x, w)
-    assert got.shape == (2, 3, 16)
-    assert torch.equal(got, _exact(x.reshape(6, 64), w, None).reshape(2, 3, 16))
+    for lead in (3, 10):
+        wide = _integers((2, lead, 100), g).to(torch.bfloat16)
+        x = wide[..., :64]
+        got = kernel(x, w)
+        assert got.shape == (2, lead, 16)
+        assert torch.equal(got, _exact(x.reshape(2 * lead, 64), w, None).reshape(2, lead, 16))
     column = _integers((64, 2), g).to(torch.bfloat16)[:, 0]   # one row whose elements are strided
     assert torch.equal(kernel(column, w), _exact(column[None], w, None)[0])
 
