@@ -136,6 +136,29 @@ def test_decode_steps_of_fewer_sequences_than_threads_split_the_kv_heads_with_th
     torch.testing.assert_close(outs[1].double(), _dense(inputs), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["fp16", "bf16", "e4m3", "e5m2"])
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_decode_rows_widen_a_compact_cache_in_place_to_the_values_of_a_float32_copy(cache_dtype, group):
+    """Decode rows (fewer than 4 query rows per KV head) read 16-bit and fp8 cache rows in place, widening them in
+    registers (cpu_attention.cpp, `RawRows`): bit for bit the result over a float32 cache that holds the same
+    values, for head sizes of one and of eight vectors, several sequences, key tiles and block sizes."""
+    from paged_backend.kernels.kv_quant import quantize
+
+    for head_size, block_size, contexts in ((64, 16, [100, 31, 7]), (8, 8, [70, 1])):
+        inputs = make_paged_inputs(case_seed("cpu-in-place", str(cache_dtype), group, head_size), torch.float32,
+                                   2 * group, 2, head_size, block_size, contexts, [1] * len(contexts))
+        query, kc, vc, *rest = inputs.args()
+        k_scale, v_scale = (0.5, 3.0) if cache_dtype.itemsize == 1 else (1.0, 1.0)
+        kc, vc = quantize(kc, cache_dtype, k_scale), quantize(vc, cache_dtype, v_scale)
+        kwargs = dict(k_scale=k_scale, v_scale=v_scale)
+        compact = cpu.paged_attention(query, kc, vc, *rest, **kwargs)
+        widened = cpu.paged_attention(query, kc.float(), vc.float(), *rest, **kwargs)
+        assert torch.equal(compact, widened), f"head size {head_size}: a compact cache's rows widen differently"
+        want = reference.dense_attention(query.double(), kc, vc, *rest, **kwargs)
+        torch.testing.assert_close(compact.double(), want, rtol=2e-5, atol=2e-5)
+
+
 def test_cpu_plan_refuses_tables_outside_the_cache_and_inconsistent_metadata():
     inputs = make_paged_inputs(case_seed("cpu-bad"), torch.float32, 4, 2, 16, 8, [9, 1], [2, 1])
     query, kc, vc, tables, lens, starts, scale = inputs.args()
