@@ -28,6 +28,10 @@ using namespace cpu_kernels;
 
 enum CacheType : int64_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kE4M3 = 4, kE5M2 = 5 };
 
+constexpr int64_t entry_bytes(int64_t type) {   // bytes per cache entry
+  return type == kF64 ? 8 : type == kF32 ? 4 : (type == kF16 || type == kBF16) ? 2 : 1;
+}
+
 constexpr int64_t kKeyTile = 32;     // keys per softmax update
 constexpr int64_t kQueryTile = 16;   // query tokens per work item (prefill chunks)
 
@@ -132,12 +136,12 @@ inline const Acc* cache_row(const void* base, int64_t offset, int64_t head_size,
     if constexpr (std::is_same_v<Acc, double>) return row;
     for (int64_t d = 0; d < head_size; ++d) buffer[d] = Acc(row[d]);
   } else {
-    constexpr int64_t entry_bytes = (Type == kF16 || Type == kBF16) ? 2 : 1;
-    const uint8_t* row = static_cast<const uint8_t*>(base) + offset * entry_bytes;
+    constexpr int64_t bytes = entry_bytes(Type);
+    const uint8_t* row = static_cast<const uint8_t*>(base) + offset * bytes;
     int64_t d = 0;
     if constexpr (std::is_same_v<Acc, float>) {
       constexpr int64_t L = Vector<float>::lanes;
-      for (; d + L <= head_size; d += L) store(buffer + d, decode_vector<Type>(row + d * entry_bytes));
+      for (; d + L <= head_size; d += L) store(buffer + d, decode_vector<Type>(row + d * bytes));
     }
     for (; d < head_size; ++d) {
       if constexpr (Type == kF16) {
@@ -304,12 +308,11 @@ void tile_scores(const Acc* q, int64_t rows, const Acc* const* keys, int64_t n, 
 // Cache rows of one tile (pointers to their first entries), widened on use.
 template <int64_t Type>
 struct RawRows {
-  static constexpr int64_t kEntryBytes = Type == kF32 ? 4 : (Type == kF16 || Type == kBF16) ? 2 : 1;
   const char* const* rows;
 
   FloatVector vector(int64_t k, int64_t d) const {   // entries [d, d + lanes) of row k
     if constexpr (Type == kF32) return load(reinterpret_cast<const float*>(rows[k]) + d);
-    else return decode_vector<Type>(rows[k] + d * kEntryBytes);
+    else return decode_vector<Type>(rows[k] + d * entry_bytes(Type));
   }
   float scalar(int64_t k, int64_t d) const {   // for accumulate's tail loop, which whole vectors never reach
     constexpr int64_t lanes = Vector<float>::lanes;
@@ -474,7 +477,7 @@ constexpr int64_t kPrefetchTiles = 2;
 template <int64_t Type, typename Acc>
 __attribute__((always_inline)) inline void prefetch_tile(const Params<Acc>& p, const int64_t* table,
                                                          const WorkItem& item, int64_t tile, int64_t last_pos) {
-  constexpr int64_t bytes = Type == kF64 ? 8 : Type == kF32 ? 4 : (Type == kF16 || Type == kBF16) ? 2 : 1;
+  constexpr int64_t bytes = entry_bytes(Type);
   const int64_t row_bytes = p.head_size * bytes;
   const char* const keys = static_cast<const char*>(p.key_cache);
   const char* const values = static_cast<const char*>(p.value_cache);
@@ -495,7 +498,7 @@ template <int64_t Type>
 inline void gather_rows(const void* cache, const int64_t* strides, const int64_t* table, int64_t block_size,
                         int64_t tile, int64_t n, const WorkItem& item, const char** rows) {
   const char* base = static_cast<const char*>(cache);
-  constexpr int64_t bytes = RawRows<Type>::kEntryBytes;
+  constexpr int64_t bytes = entry_bytes(Type);
   for (int64_t k = 0; k < n; ++k) {
     const int64_t pos = tile + k;
     const char* slot = base + (table[pos / block_size] * strides[0] + (pos % block_size) * strides[1]) * bytes;
