@@ -20,6 +20,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_attention.cpp"
@@ -89,27 +90,81 @@ at::Tensor fallback(const at::Tensor& query, const at::Tensor& key, const at::Te
   return op.call(query, key, value, layer, scaling, window, softcap, sinks);
 }
 
+// The query's rows as the kernel reads them, [tokens, heads, head_size] contiguous in the accumulator's type: the
+// query itself when it is that already (float32 in transformers' layout), else a copy widened element by element
+// into a per-thread buffer. A half-precision decode step met this 60 times (a query in and an output out per layer),
+// and as ATen conversions (select, transpose, to, contiguous) they cost about 30 us per layer, 1 ms of a 20 ms
+// bfloat16 step; widening is exact, so the kernel sees the same values.
+template <typename To, typename From>
+inline To cast_via_float(From v) {   // half precision through float32 (exact widening; rounding to nearest even)
+  if constexpr (std::is_floating_point_v<From> && std::is_floating_point_v<To>) return static_cast<To>(v);
+  else return static_cast<To>(static_cast<float>(v));
+}
+
+template <typename Acc, typename T>
+void widen_rows(const at::Tensor& query, Acc* rows) {
+  const T* q = static_cast<const T*>(query.data_ptr());
+  const int64_t heads = query.size(1), tokens = query.size(2), d_size = query.size(3);
+  const int64_t sh = query.stride(1), st = query.stride(2), sd = query.stride(3);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < d_size; ++d)
+        rows[(t * heads + h) * d_size + d] = cast_via_float<Acc>(q[h * sh + t * st + d * sd]);
+}
+
+template <typename Acc>
+const Acc* query_rows(const at::Tensor& query, std::vector<Acc>& buffer) {
+  constexpr auto acc = std::is_same_v<Acc, double> ? at::kDouble : at::kFloat;
+  const int64_t heads = query.size(1), tokens = query.size(2), d_size = query.size(3);
+  const bool in_layout = (d_size == 1 || query.stride(3) == 1) && (heads == 1 || query.stride(1) == d_size) &&
+                         (tokens == 1 || query.stride(2) == heads * d_size);
+  if (query.scalar_type() == acc && in_layout) return static_cast<const Acc*>(query.data_ptr());
+  buffer.resize(static_cast<size_t>(tokens * heads * d_size));
+  switch (query.scalar_type()) {
+    case at::kFloat: widen_rows<Acc, float>(query, buffer.data()); break;
+    case at::kDouble: widen_rows<Acc, double>(query, buffer.data()); break;
+    case at::kBFloat16: widen_rows<Acc, c10::BFloat16>(query, buffer.data()); break;
+    case at::kHalf: widen_rows<Acc, c10::Half>(query, buffer.data()); break;
+    default: return nullptr;
+  }
+  return buffer.data();
+}
+
+// The kernel's output [1, tokens, heads, head_size] in the query's dtype: written in place when that is the
+// accumulator's type, else rounded from a per-thread buffer one element at a time (round to nearest even, as
+// ATen's conversion).
+template <typename T, typename Acc>
+void narrow_rows(const Acc* src, at::Tensor& out) {
+  T* dst = static_cast<T*>(out.data_ptr());
+  const int64_t n = out.numel();
+  for (int64_t i = 0; i < n; ++i) dst[i] = cast_via_float<T>(src[i]);
+}
+
 // query [1, heads, tokens, head_size], key/value [1, kv_heads, tokens, head_size] -> [1, tokens, heads, head_size].
-at::Tensor attend_layer_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t layer,
-                            double scaling, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
-  const StepPlan* plan = kernel_plan(query, key, value, layer, window, softcap, sinks);
-  if (plan == nullptr) return fallback(query, key, value, layer, scaling, window, softcap, sinks);
+template <typename Acc>
+at::Tensor attend_layer_acc(const StepPlan& plan, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, int64_t layer, double scaling, int64_t window, double softcap,
+                            const std::optional<at::Tensor>& sinks) {
+  constexpr auto acc = std::is_same_v<Acc, double> ? at::kDouble : at::kFloat;
+  thread_local std::vector<Acc> query_buffer, out_buffer;
+  const Acc* rows = query_rows<Acc>(query, query_buffer);
+  if (rows == nullptr) return at::Tensor();
   const at::Tensor& kc = step_state.key_caches[layer];
   const at::Tensor& vc = step_state.value_caches[layer];
-  const bool f64 = query.scalar_type() == at::kDouble;
-  const auto acc = f64 ? at::kDouble : at::kFloat;
-  at::Tensor rows = query.select(0, 0).transpose(0, 1);   // [tokens, heads, head_size]
-  if (rows.scalar_type() != acc || !rows.is_contiguous()) rows = rows.to(acc).contiguous();
-  at::Tensor out = at::empty({1, rows.size(0), rows.size(1), rows.size(2)}, query.options().dtype(acc));
+  const int64_t heads = query.size(1), tokens = query.size(2), d_size = query.size(3);
+  at::Tensor out = at::empty({1, tokens, heads, d_size}, query.options());
+  const bool out_in_place = query.scalar_type() == acc;
+  if (!out_in_place) out_buffer.resize(static_cast<size_t>(out.numel()));
+  Acc* out_data = out_in_place ? static_cast<Acc*>(out.data_ptr()) : out_buffer.data();
   std::optional<at::Tensor> sink_logits;
   if (sinks.has_value()) sink_logits = sinks->to(acc).contiguous();
   int64_t step[kStepFields];
-  step[kTables] = reinterpret_cast<int64_t>(plan->tables.data_ptr());
-  step[kTableWidth] = plan->tables.size(1);
-  step[kContextLens] = reinterpret_cast<int64_t>(plan->context_lens.data_ptr());
-  step[kQueryStart] = reinterpret_cast<int64_t>(plan->query_start.data_ptr());
-  step[kNumSeqs] = plan->context_lens.size(0);
-  step[kHeads] = rows.size(1);
+  step[kTables] = reinterpret_cast<int64_t>(plan.tables.data_ptr());
+  step[kTableWidth] = plan.tables.size(1);
+  step[kContextLens] = reinterpret_cast<int64_t>(plan.context_lens.data_ptr());
+  step[kQueryStart] = reinterpret_cast<int64_t>(plan.query_start.data_ptr());
+  step[kNumSeqs] = plan.context_lens.size(0);
+  step[kHeads] = heads;
   step[kKvHeads] = kc.size(2);
   step[kHeadSize] = kc.size(3);
   step[kBlockSize] = kc.size(1);
@@ -118,22 +173,38 @@ at::Tensor attend_layer_cpu(const at::Tensor& query, const at::Tensor& key, cons
     step[kKeyStrides + i] = kc.stride(i);
     step[kValueStrides + i] = vc.stride(i);
   }
-  step[kSlots] = reinterpret_cast<int64_t>(plan->slots.data_ptr());
-  step[kNumTokens] = plan->num_rows;
+  step[kSlots] = reinterpret_cast<int64_t>(plan.slots.data_ptr());
+  step[kNumTokens] = plan.num_rows;
   step[kElemBytes] = kc.element_size();
   step[kWindow] = window;
   step[kThreads] = at::get_num_threads();
   const void* sink_ptr = sink_logits.has_value() ? sink_logits->data_ptr() : nullptr;
-  const int status =
-      f64 ? attend_and_cache<double>(step, rows.data_ptr(), out.data_ptr(), key.data_ptr(), value.data_ptr(),
-                                     key.stride(2), key.stride(1), value.stride(2), value.stride(1), kc.data_ptr(),
-                                     vc.data_ptr(), scaling, 1.0, softcap, sink_ptr)
-          : attend_and_cache<float>(step, rows.data_ptr(), out.data_ptr(), key.data_ptr(), value.data_ptr(),
-                                    key.stride(2), key.stride(1), value.stride(2), value.stride(1), kc.data_ptr(),
-                                    vc.data_ptr(), scaling, 1.0, softcap, sink_ptr);
+  const int status = attend_and_cache<Acc>(step, rows, out_data, key.data_ptr(), value.data_ptr(), key.stride(2),
+                                           key.stride(1), value.stride(2), value.stride(1), kc.data_ptr(),
+                                           vc.data_ptr(), scaling, 1.0, softcap, sink_ptr);
   TORCH_CHECK(status == 0, "attend_layer: the CPU attention kernel failed with status ", status);
+  if (!out_in_place) {
+    switch (query.scalar_type()) {
+      case at::kBFloat16: narrow_rows<c10::BFloat16>(out_data, out); break;
+      case at::kHalf: narrow_rows<c10::Half>(out_data, out); break;
+      case at::kFloat: narrow_rows<float>(out_data, out); break;
+      default: narrow_rows<double>(out_data, out); break;
+    }
+  }
   kernel_calls.fetch_add(1, std::memory_order_relaxed);
-  return out.scalar_type() == query.scalar_type() ? out : out.to(query.scalar_type());
+  return out;
+}
+
+at::Tensor attend_layer_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t layer,
+                            double scaling, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+  const StepPlan* plan = kernel_plan(query, key, value, layer, window, softcap, sinks);
+  if (plan != nullptr) {
+    at::Tensor out = query.scalar_type() == at::kDouble
+                         ? attend_layer_acc<double>(*plan, query, key, value, layer, scaling, window, softcap, sinks)
+                         : attend_layer_acc<float>(*plan, query, key, value, layer, scaling, window, softcap, sinks);
+    if (out.defined()) return out;
+  }
+  return fallback(query, key, value, layer, scaling, window, softcap, sinks);
 }
 
 // False (and nothing set) unless every layer's caches are CPU tensors [num_blocks, block_size, kv_heads, head_size]
