@@ -206,6 +206,26 @@ def test_compile_option_is_validated_everywhere():
         parse_model_options({"model": "tiny-llama", "compile": True, "enforce_eager": True})
 
 
+def _parameter_reads(engine: LLMEngine) -> int:
+    """Reads of a module's parameters in the code dynamo runs before each compiled call, over the buckets."""
+    import dis
+
+    code = engine.runner.compiled._compiled._torchdynamo_orig_callable
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    assert len(entries) == 2   # the two buckets
+    return sum(1 for entry in entries for ins in dis.get_instructions(entry.code) if ins.argval == "_parameters")
+
+
+def test_the_parameters_are_the_graphs_attributes_not_inputs_of_every_call():
+    """`DYNAMO_OPTIONS`: a compiled call does not fetch the model's parameters one by one (as inputs they were read
+    through the modules' attribute chains before every step: 272 reads per smollm2 step)."""
+    model, _ = get_model("tiny-llama", torch.float32)
+    engine = LLMEngine(model, num_blocks=64, max_num_batched_tokens=16, compile="blocking")
+    assert engine.runner.compiled.stats.buckets["single"].ready and engine.runner.compiled.stats.buckets["batch"].ready
+    assert _parameter_reads(engine) == 0
+    assert _greedy(engine, PROMPTS[:1]) == _expected(model, PROMPTS[:1])
+
+
 def test_the_guard_filter_drops_the_models_guards_and_keeps_the_inputs():
     """`skip_model_guards`: a change of a module attribute no longer triggers a new compilation (its guard is
     gone), a new input shape still does (the guards that pick a step's bucket stay)."""

@@ -48,6 +48,14 @@ BUCKETS = ("single", "batch")
 INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384, "cpp_wrapper": True}
 
 
+# Dynamo options while a bucket is traced: the model's parameters and buffers become attributes of the traced graph
+# (`install_free_tensors`) rather than inputs of every call. As inputs, the code dynamo runs before each compiled
+# call fetched all of them through the modules' attribute chains (smollm2: 272 parameters, about 0.45 ms of a
+# 21 ms bfloat16 batch-1 decode step on 2 cores, 0.8 -> 0.35 ms from the call to the compiled graph's start); as
+# attributes AOTAutograd collects them once, when it compiles. The compiled code reads the same tensors (no copy).
+DYNAMO_OPTIONS = {"install_free_tensors": True}
+
+
 def skip_model_guards(guard_entries) -> list:
     """Dynamo's guard filter for the step forward: keep the guards on the step's inputs (which bucket a step
     takes) and on global state, drop those on the model's attributes (parameters, buffers, module flags, config):
@@ -189,7 +197,7 @@ class CompiledForward:
         try:
             args, metadata = self._scratch.inputs(bucket)
             with torch.no_grad(), attention_context(metadata), self._paged_attention(), \
-                    compiled_attention_step(metadata, set()):
+                    compiled_attention_step(metadata, set()), torch._dynamo.config.patch(DYNAMO_OPTIONS):
                 self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - a bucket that cannot compile stays eager, and says why
             state.error = f"{type(exc).__name__}: {exc}"[:2000]
