@@ -18,6 +18,15 @@ def test_the_cpu_kernel_builds_here():
     assert cpu.available(), "the C++ CPU kernel does not build here (see `paged-backend info`)"
 
 
+def test_the_torch_operators_build_here():
+    """Likewise the operator libraries of compiled forwards (kernels/cpu_attention_op.cpp, cpu_linear_op.cpp): the
+    files that test them skip where they cannot be built, so a source that no longer compiles must fail here."""
+    from paged_backend.kernels import cpu_attention_step, cpu_linear
+
+    assert cpu_attention_step.op_available(), "cpu_attention_op does not build here (see `paged-backend info`)"
+    assert cpu_linear.op_available(), "cpu_linear_op does not build here (see `paged-backend info`)"
+
+
 CASES = [
     # (num_heads, num_kv_heads, head_size, block_size, context_lens, query_lens)
     (4, 4, 16, 8, [1, 8, 17, 24], [1, 1, 1, 1]),                 # decode, GQA 1, exact multiples
