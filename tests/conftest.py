@@ -5,8 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-import torch
+# The checkout's root off the import path, here and in every Python the tests start: `python -m pytest` and
+# pytest-xdist's `-c` workers put the current folder first, where kernels/ and adapters/ (paged_backend.kernels and
+# paged_backend.adapters) would shadow PyPI packages of those names, and transformers >= 5.25 imports Hugging
+# Face's `kernels` whenever it is installed (tests/test_packaging.py).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [path for path in sys.path if os.path.abspath(path or os.curdir) != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -47,3 +48,23 @@ def test_editable_install_maps_the_top_level_folders():
 
     assert Path(paged_backend.kernels.__file__).parent == ROOT / "kernels"
     assert Path(paged_backend.adapters.__file__).parent == ROOT / "adapters"
+
+
+_FIND_KERNELS = ("import importlib.util; spec = importlib.util.find_spec('kernels'); "
+                 "print(spec.origin if spec is not None else None)")
+
+
+def _not_ours(origin) -> bool:
+    return origin in (None, "None") or not Path(origin).resolve().is_relative_to(ROOT / "kernels")
+
+
+def test_the_checkouts_folders_do_not_shadow_top_level_packages():
+    """`kernels/` and `adapters/` are `paged_backend.kernels` and `paged_backend.adapters`; as top-level names
+    they belong to PyPI packages (transformers >= 5.25 depends on Hugging Face's `kernels` and imports it when
+    installed). A Python started in the checkout's root puts that root first on its path (`python -m pytest`,
+    the `-c` workers of pytest-xdist, the servers tests start): neither this process nor a child started
+    there may find our folder under the bare name (tests/conftest.py keeps the root off the path)."""
+    assert _not_ours(getattr(importlib.util.find_spec("kernels"), "origin", None))
+    child = subprocess.run([sys.executable, "-c", _FIND_KERNELS], check=True, capture_output=True, text=True,
+                           cwd=ROOT, timeout=120).stdout.strip()
+    assert _not_ours(child), child
