@@ -68,3 +68,18 @@ def test_the_checkouts_folders_do_not_shadow_top_level_packages():
     child = subprocess.run([sys.executable, "-c", _FIND_KERNELS], check=True, capture_output=True, text=True,
                            cwd=ROOT, timeout=120).stdout.strip()
     assert _not_ours(child), child
+
+
+def test_our_child_pythons_leave_the_current_folder_off_their_path():
+    """The children the library starts (tensor-parallel workers, the benchmarks' servers and probes) are started
+    through `python_command()`: in a checkout's root, without the tests' PYTHONSAFEPATH, they do not find our
+    `kernels/` under the bare name."""
+    from paged_backend.child_python import python_command
+
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONSAFEPATH"}
+    plain = subprocess.run([sys.executable, "-c", _FIND_KERNELS], check=True, capture_output=True, text=True,
+                           cwd=ROOT, env=env, timeout=120).stdout.strip()
+    assert not _not_ours(plain), plain   # what a plain `python -c` there finds: the case guarded against
+    ours = subprocess.run([*python_command(), "-c", _FIND_KERNELS], check=True, capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120).stdout.strip()
+    assert _not_ours(ours), ours

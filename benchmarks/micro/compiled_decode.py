@@ -11,7 +11,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
+from paged_backend.child_python import python_command
 from paged_backend.benchmarks.paper.engine_runs import load_bench_model, set_threads
 
 # A fresh process that builds a compiled engine and prints how long that took (argv: model, dtype, kv blocks).
@@ -81,7 +81,7 @@ def decode_ms(engine, prompt: List[int], steps: int) -> Tuple[float, List[int]]:
 def timed_start(model: str, dtype: str, cache_dir: str, num_blocks: int) -> dict:
     """A compiled engine built in a fresh process with `cache_dir` as inductor's cache."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    done = subprocess.run([sys.executable, "-c", _START, model, dtype, str(num_blocks)], capture_output=True,
+    done = subprocess.run([*python_command(), "-c", _START, model, dtype, str(num_blocks)], capture_output=True,
                           text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the compiled start failed: {done.stderr[-2000:]}")

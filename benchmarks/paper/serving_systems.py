@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Pattern
 
 from paged_backend.benchmarks.harness.server_process import OUR_READY, UVICORN_READY, free_port
+from paged_backend.child_python import python_command
 
 SERVED_SYSTEMS = ("paged", "hf-serve", "oracle")
 COMPILED = "paged-compiled"    # our server with the compiled forward (`--compile blocking`, docs/compilation.md)
@@ -100,7 +100,7 @@ def paged_system(model_dir: Path, kv_slots: int, block_size: int, max_model_len:
                  compiled: bool = False) -> ServedSystem:
     """Our server; `compiled`: with the compiled forward, compiled (or read from inductor's cache) before it
     listens, so every measured step runs compiled code."""
-    argv = [sys.executable, "-m", "paged_backend.cli", "serve", str(model_dir), "--port", "0", "--log-level",
+    argv = [*python_command(), "-m", "paged_backend.cli", "serve", str(model_dir), "--port", "0", "--log-level",
             "warning", "--block-size", str(block_size), "--num-blocks", str(kv_slots // block_size),
             "--dtype", dtype, *_context_limit(max_model_len), *(["--compile", "blocking"] if compiled else [])]
     # a first compiled start compiles every batch bucket before it listens: 160-170 s alone on a quiet 2-core
@@ -111,7 +111,7 @@ def paged_system(model_dir: Path, kv_slots: int, block_size: int, max_model_len:
 
 def reservation_system(model_dir: Path, policy: str, kv_slots: int, max_model_len: Optional[int],
                        dtype: str) -> ServedSystem:
-    argv = [sys.executable, "-m", "paged_backend.benchmarks.paper.baseline_server", str(model_dir), "--policy", policy,
+    argv = [*python_command(), "-m", "paged_backend.benchmarks.paper.baseline_server", str(model_dir), "--policy", policy,
             "--allocator", "first-fit", "--block-size", "1", "--num-blocks", str(kv_slots), "--dtype", dtype,
             *_context_limit(max_model_len)]
     return ServedSystem(policy, argv, OUR_READY, _ours_force)
@@ -121,7 +121,7 @@ def transformers_system(model_dir: Path, kv_slots: int, block_size: int, max_bat
                         dtype: str) -> ServedSystem:
     """`transformers serve MODEL --continuous-batching` with a paged cache of the same slots (blocks of the same
     size) and the same per-step token budget as our engine."""
-    argv = [sys.executable, "-c", _TRANSFORMERS_CLI, "serve", str(model_dir), "--continuous-batching",
+    argv = [*python_command(), "-c", _TRANSFORMERS_CLI, "serve", str(model_dir), "--continuous-batching",
             "--cb-block-size", str(block_size), "--cb-num-blocks", str(kv_slots // block_size),
             "--cb-max-batch-tokens", str(max_batch_tokens), "--device", "cpu", "--dtype", dtype,
             "--host", "127.0.0.1", "--port", str(free_port())]

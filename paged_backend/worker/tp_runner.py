@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from paged_backend.child_python import python_command
 from paged_backend.worker.cache_engine import kv_cache_torch_dtype
 from paged_backend.worker.step_inputs import StepInputs
 from paged_backend.worker.tp_sharding import build_plan, shard_model, weights_fingerprint
@@ -91,7 +92,7 @@ class _Workers:
         self.failure: Optional[str] = None
         self.closing = False
         for rank in range(1, world_size):
-            args = [sys.executable, "-c", _WORKER_CODE, host, str(port), str(rank), str(world_size), str(os.getpid())]
+            args = [*python_command(), "-c", _WORKER_CODE, host, str(port), str(rank), str(world_size), str(os.getpid())]
             self.procs[rank] = subprocess.Popen(args, stdin=subprocess.DEVNULL)
         self._thread = threading.Thread(target=self._watch, daemon=True, name="tp-worker-monitor")
         self._thread.start()
