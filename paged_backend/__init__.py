@@ -8,9 +8,25 @@ tensor-parallel worker process imports `paged_backend.worker...`) does not impor
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Dict, Tuple, Union
 
 __version__ = "0.1.0"
+
+
+def _leave_the_checkout_off_the_path() -> None:
+    """Run from a checkout (an editable install), drop the checkout's root from the import path: a Python started
+    there with `-m` or `-c`, and Triton's Python stub started there, put it first, and its folders kernels/ and
+    adapters/ (this package's `paged_backend.kernels` and `.adapters`) then shadow PyPI packages of those names;
+    transformers >= 5.25 imports Hugging Face's `kernels` whenever it is installed. Nothing is imported from the
+    root itself (this package is found through the install); an installed wheel has no such root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "kernels", "cpu_attention.cpp")) and "kernels" not in sys.modules:
+        sys.path[:] = [path for path in sys.path if os.path.abspath(path or os.curdir) != root]
+
+
+_leave_the_checkout_off_the_path()
 
 # public name -> module that defines it (or (module, its name there))
 _PUBLIC: Dict[str, Union[str, Tuple[str, str]]] = {

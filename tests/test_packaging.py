@@ -83,3 +83,12 @@ def test_our_child_pythons_leave_the_current_folder_off_their_path():
     ours = subprocess.run([*python_command(), "-c", _FIND_KERNELS], check=True, capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=120).stdout.strip()
     assert _not_ours(ours), ours
+
+
+def test_importing_paged_backend_in_the_checkouts_root_leaves_the_root_off_the_path():
+    """What the tests and our own children are spared, a Python that someone else starts in the checkout's root
+    (Triton's Python stub, `python -c` by hand) is spared by `import paged_backend`: the root leaves the path."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONSAFEPATH"}
+    found = subprocess.run([sys.executable, "-c", "import paged_backend; " + _FIND_KERNELS], check=True,
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120).stdout.strip()
+    assert _not_ours(found), found
