@@ -74,7 +74,7 @@ def test_our_child_pythons_leave_the_current_folder_off_their_path():
     """The children the library starts (tensor-parallel workers, the benchmarks' servers and probes) are started
     through `python_command()`: in a checkout's root, without the tests' PYTHONSAFEPATH, they do not find our
     `kernels/` under the bare name."""
-    from paged_backend.child_python import python_command
+    from paged_backend.worker.child_python import python_command
 
     env = {name: value for name, value in os.environ.items() if name != "PYTHONSAFEPATH"}
     plain = subprocess.run([sys.executable, "-c", _FIND_KERNELS], check=True, capture_output=True, text=True,

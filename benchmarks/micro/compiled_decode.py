@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
-from paged_backend.child_python import python_command
+from paged_backend.worker.child_python import python_command
 from paged_backend.benchmarks.paper.engine_runs import load_bench_model, set_threads
 
 # A fresh process that builds a compiled engine and prints how long that took (argv: model, dtype, kv blocks).

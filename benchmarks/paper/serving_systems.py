@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Pattern
 
 from paged_backend.benchmarks.harness.server_process import OUR_READY, UVICORN_READY, free_port
-from paged_backend.child_python import python_command
+from paged_backend.worker.child_python import python_command
 
 SERVED_SYSTEMS = ("paged", "hf-serve", "oracle")
 COMPILED = "paged-compiled"    # our server with the compiled forward (`--compile blocking`, docs/compilation.md)

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from paged_backend.child_python import python_command
+from paged_backend.worker.child_python import python_command
 from paged_backend.worker.cache_engine import kv_cache_torch_dtype
 from paged_backend.worker.step_inputs import StepInputs
 from paged_backend.worker.tp_sharding import build_plan, shard_model, weights_fingerprint
