@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import pytest
 import torch
@@ -180,6 +181,24 @@ def test_compiled_code_is_cached_and_background_compile_serves_eagerly_until_rea
     steps_before = compiled.stats.buckets["batch"].steps
     assert _greedy(engine, PROMPTS) == expected
     assert compiled.stats.buckets["batch"].steps > steps_before
+
+
+def test_steps_served_all_through_a_background_compile_leave_every_bucket_compiled():
+    """While any compile runs, `torch.compiler.is_compiling()` is true in every thread, so an eager step on the
+    serving thread switches transformers' hub-kernels context variable to its process-wide value; when that
+    happened while dynamo traced the model or built its guards, the bucket failed to compile ('Expected dict, got
+    NoneType') and stayed eager for good. Steps run back to back until both buckets are done."""
+    model, _ = load_model("tiny-llama", dtype=torch.float64)
+    expected = _expected(model, PROMPTS[:2])
+    engine = LLMEngine(model, num_blocks=64, compile=True)
+    compiled = engine.runner.compiled
+    deadline = time.monotonic() + 600
+    while not compiled.wait(timeout=0) and time.monotonic() < deadline:
+        assert _greedy(engine, PROMPTS[:2]) == expected
+    assert compiled.wait(timeout=0), compiled.stats.as_dict()
+    assert compiled.stats.eager_steps > 0
+    assert all(state.ready for state in compiled.stats.buckets.values()), compiled.stats.as_dict()
+    assert _greedy(engine, PROMPTS[:2]) == expected
 
 
 def test_compile_option_is_validated_everywhere():

@@ -36,6 +36,7 @@ from paged_backend.worker.attention import AttentionMetadata, attention_context,
 from paged_backend.worker.attention_op import compiled_attention_step
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.linear_fusion import FuseSharedInputLinears
+from paged_backend.worker.trace_exclusion import TRACE_EXCLUSION
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,15 @@ def inductor_cache_dir() -> str:
     if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
         return given
     return str(cache_dir() / "inductor")
+
+
+def inductor_beside_forwards(gm: torch.fx.GraphModule, example_inputs, options: Optional[dict] = None):
+    """Inductor as dynamo's backend, with the process's forwards let through while it compiles the traced graph
+    (`trace_exclusion.py`: they wait while dynamo traces the model and builds guards)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with TRACE_EXCLUSION.backend_runs():
+        return compile_fx(gm, example_inputs, config_patches=options)
 
 
 def bucket_of(num_tokens: int) -> str:
@@ -150,7 +160,7 @@ class CompiledForward:
         linear_kernels = use_linear_kernel(model)   # the linear layers our kernel serves on this CPU, when compiled
         self.eager = eager_forward(model)
         self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True,
-                                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": GUARD_FILTER,
+                                       backend=inductor_beside_forwards, options={**INDUCTOR_OPTIONS, "guard_filter_fn": GUARD_FILTER,
                                                 "post_grad_custom_pre_pass": FuseSharedInputLinears()})
         self._run_only = torch._dynamo.run(self._compiled)
         self._scratch = _ScratchStep(cache_engine)
@@ -196,7 +206,7 @@ class CompiledForward:
         began = time.perf_counter()
         try:
             args, metadata = self._scratch.inputs(bucket)
-            with torch.no_grad(), attention_context(metadata), self._paged_attention(), \
+            with TRACE_EXCLUSION.trace(), torch.no_grad(), attention_context(metadata), self._paged_attention(), \
                     compiled_attention_step(metadata, set()), torch._dynamo.config.patch(DYNAMO_OPTIONS):
                 self._compiled(*args)
         except Exception as exc:  # noqa: BLE001 - a bucket that cannot compile stays eager, and says why

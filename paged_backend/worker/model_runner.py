@@ -19,6 +19,7 @@ from paged_backend.worker.attention import ATTENTION_NAME, AttentionMetadata, at
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.config import compile_mode
 from paged_backend.worker.compiled_forward import CompiledForward, eager_forward
+from paged_backend.worker.trace_exclusion import TRACE_EXCLUSION
 from paged_backend.worker.lora_layers import LoRALayers
 from paged_backend.worker.model_support import check_model_supported
 from paged_backend.worker.step_inputs import StepInputs
@@ -108,7 +109,8 @@ class ModelRunner:
             kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of, kv_scales=self.cache_engine.kv_scales)
         # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
         # inference tensors forbid outside inference mode.
-        with torch.no_grad(), attention_context(metadata), self._paged_attention(), self._lora_step(lora_plan):
+        with torch.no_grad(), attention_context(metadata), self._paged_attention(), self._lora_step(lora_plan), \
+                TRACE_EXCLUSION.forward():
             logits = self.forward(inputs.input_ids, inputs.positions, inputs.sample_indices)
         if queued_on_device:
             on_launched()
