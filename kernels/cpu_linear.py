@@ -20,9 +20,13 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)   # the weights the kern
 # half-precision products take one dot product per output element (smollm2's linear layers at 32 rows: 340 ms
 # against the kernel's 64 on an AVX2 EPYC), so the kernel takes every row count.
 FEW_ROWS = 8
-# Float32 off Intel CPUs: the kernel up to this many rows, MKL's GEMM beyond (smollm2's layers on an AVX2 EPYC:
-# kernel / MKL 35 / 57 ms at 8 rows, 62 / 72 at 16, 86 / 78 at 24).
+# Float32 off Intel CPUs where the kernel is built for AVX2 (256-bit vectors): the kernel up to this many rows,
+# MKL's GEMM beyond (smollm2's layers on an AVX2 EPYC: kernel / MKL 35 / 57 ms at 8 rows, 62 / 72 at 16, 86 / 78
+# at 24). Built for AVX-512 the kernel takes every row count: its blocked product's panels are twice as wide and
+# MKL stays slow (smollm2's layers on a 2-core AVX-512 EPYC, kernel / MKL: 32.7 / 46.2 ms at 8 rows, 38.8 / 76.8
+# at 32, 82.1 / 148.5 at 64, 271.8 / 362.5 at 256).
 FLOAT32_ROWS = 16
+WIDE_VECTOR_BITS = 512   # the kernel's vector width from which float32 has no row limit off Intel
 
 
 GROUP_SIZES = (2, 3, 4)   # the weights `linear_rows_N` takes: a layer's gate and up, q k v, a fourth projection
@@ -91,12 +95,14 @@ def max_rows(dtype: torch.dtype) -> Optional[int]:
     """For which steps compiled linear layers over `dtype` weights run the kernel on this CPU: None for none,
     0 for all, n for steps of at most n tokens. Half precision: FEW_ROWS where oneDNN has native `dtype`
     matmuls, else all. Float32: none on Intel CPUs (MKL's product is near the memory bandwidth there: the
-    compiled-decode record on a Xeon, 1.14x its floor), FLOAT32_ROWS elsewhere (MKL on an AMD EPYC reads 11.8
-    GB/s of 33 at batch 1, the kernel 20.8)."""
-    from .cpu_features import onednn_half_matmuls
+    compiled-decode record on a Xeon, 1.14x its floor), elsewhere all where the kernel has 512-bit vectors and
+    FLOAT32_ROWS otherwise (MKL on an AMD EPYC reads 11.8 GB/s of 33 at batch 1, the kernel 20.8)."""
+    from .cpu_features import kernel_vector_bits, onednn_half_matmuls
 
     if dtype == torch.float32:
-        return None if cpu_vendor() == "GenuineIntel" else FLOAT32_ROWS
+        if cpu_vendor() == "GenuineIntel":
+            return None
+        return 0 if (kernel_vector_bits() or 0) >= WIDE_VECTOR_BITS else FLOAT32_ROWS
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if name is None:
         raise ValueError(f"max_rows is for bfloat16, float16 and float32, not {dtype}")

@@ -155,17 +155,19 @@ def test_the_operator_runs_the_kernel_up_to_its_row_limit(dtype):
                 assert cpu_linear.kernel_calls() == calls + 1 and torch.equal(got, kernel(x, w, b))
 
 
-def test_the_row_limits_follow_onednns_native_half_precision_and_the_cpu_vendor(monkeypatch):
+def test_the_row_limits_follow_onednns_native_half_precision_the_cpu_vendor_and_the_vector_width(monkeypatch):
     from paged_backend.kernels import cpu_features
 
     for native, limit in ((True, cpu_linear.FEW_ROWS), (False, 0)):
         monkeypatch.setattr(cpu_features, "onednn_half_matmuls", lambda: {"bfloat16": native, "float16": False})
         assert cpu_linear.max_rows(torch.bfloat16) == limit and cpu_linear.max_rows(torch.float16) == 0
     assert cpu_linear.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
-    for vendor, limit in (("GenuineIntel", None), ("AuthenticAMD", cpu_linear.FLOAT32_ROWS),
-                          ("", cpu_linear.FLOAT32_ROWS)):
+    for vendor, bits, limit in (("GenuineIntel", 512, None), ("GenuineIntel", 256, None),
+                                ("AuthenticAMD", 256, cpu_linear.FLOAT32_ROWS), ("AuthenticAMD", 512, 0),
+                                ("", None, cpu_linear.FLOAT32_ROWS), ("", 512, 0)):
         monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
-        assert cpu_linear.max_rows(torch.float32) == limit
+        monkeypatch.setattr(cpu_features, "kernel_vector_bits", lambda: bits)
+        assert cpu_linear.max_rows(torch.float32) == limit, (vendor, bits)
         layer = torch.nn.Linear(8, 8)
         assert use_linear_kernel(layer) == (limit is not None)
         assert type(layer) is (torch.nn.Linear if limit is None else KernelLinear)
