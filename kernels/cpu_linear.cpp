@@ -4,9 +4,9 @@
 // bound by memory bandwidth. PyTorch's products reach a fraction of the bandwidth there on some CPUs: bfloat16
 // and float16 where the CPU has no native half-precision dot products (at more rows they take one dot product
 // per output element), float32 where MKL runs on an AMD EPYC (11.8 GB/s of 33 at batch 1). This kernel streams
-// four weight rows at a time, each read once for up to kMaxRows rows of x, widens half-precision weights to
-// float32 in registers (bfloat16: a 16-bit shift; float16: F16C's conversion where the build targets it) and
-// accumulates in float32. Half-precision results are rounded to the weights' dtype once (round to nearest even),
+// four weight rows at a time, each read once for up to kMaxRows rows of x (8 with AVX-512, else 4), widens
+// half-precision weights to float32 in registers (bfloat16: a 16-bit shift; float16: F16C's conversion where the
+// build targets it) and accumulates in float32. Half-precision results are rounded to the weights' dtype once (round to nearest even),
 // as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions differs from theirs.
 //
 // From kGemmMinRows rows of x on, the product is arithmetic-bound rather than memory-bound and a blocked product
@@ -32,7 +32,9 @@ namespace {
 using cpu_kernels::FloatVector;
 using cpu_kernels::kVectorBytes;
 constexpr int64_t L = cpu_kernels::Vector<float>::lanes;   // floats per vector
-constexpr int64_t kMaxRows = 4;                             // rows of x per pass over the weights
+// Rows of x per pass over a work item's weights: 4 (8 accumulators of 2 weight rows by 4) where there are 16
+// vector registers, 8 (16 of 2 by 8) with AVX-512's 32. An output's sum does not depend on the pass.
+constexpr int64_t kMaxRows = L >= 16 ? 8 : 4;
 constexpr int64_t kRowsPerTask = 16;                        // weight rows per OpenMP work item
 
 typedef uint16_t HalfBits __attribute__((vector_size(kVectorBytes / 2)));
@@ -200,7 +202,11 @@ void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float
     case 1: dot_rows<Kind, 1>(weight, k, x, n0, n1, sums, n); break;
     case 2: dot_rows<Kind, 2>(weight, k, x, n0, n1, sums, n); break;
     case 3: dot_rows<Kind, 3>(weight, k, x, n0, n1, sums, n); break;
-    default: dot_rows<Kind, 4>(weight, k, x, n0, n1, sums, n); break;
+    case 4: dot_rows<Kind, 4>(weight, k, x, n0, n1, sums, n); break;
+    case 5: dot_rows<Kind, 5>(weight, k, x, n0, n1, sums, n); break;
+    case 6: dot_rows<Kind, 6>(weight, k, x, n0, n1, sums, n); break;
+    case 7: dot_rows<Kind, 7>(weight, k, x, n0, n1, sums, n); break;
+    default: dot_rows<Kind, 8>(weight, k, x, n0, n1, sums, n); break;
   }
 }
 

@@ -37,8 +37,8 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
-# 16 rows and more: the blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 40])
+# up to 15 rows: passes of up to 8 rows (AVX-512) or 4 over each work item's weights; 16 rows and more: the blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every
 # vector width; 67 and 83: tails of vectors and of elements (one-row products read rows of up to 1024 elements one
 # by one, four vectors at a time); 1100: rows long enough for the tiles at one row
 @pytest.mark.parametrize("in_features", [576, 67, 83, 1100])
@@ -80,6 +80,19 @@ def test_a_row_of_a_product_of_16_rows_or_more_does_not_depend_on_its_neighbours
     w = (torch.randn(37, 576, generator=g) * 0.05).to(dtype)
     full = kernel(x, w)
     for start, stop in [(0, 16), (0, 17), (16, 33), (23, 40), (1, 40)]:
+        assert torch.equal(kernel(x[start:stop], w), full[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
+def test_a_row_of_a_product_of_2_to_15_rows_does_not_depend_on_how_the_rows_are_split_into_passes(dtype):
+    """Below 16 rows each output is one dot product over k whatever the other rows and the pass (up to 8 rows at a
+    time with AVX-512, 4 with AVX2) it falls in, except a pass of one row over rows of up to 1024 elements, which
+    reads them row by row in another order (dot_row): no slice here leaves one row alone in a pass."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(15, 576, generator=g).to(dtype)
+    w = (torch.randn(37, 576, generator=g) * 0.05).to(dtype)
+    full = kernel(x, w)
+    for start, stop in [(0, 2), (3, 9), (4, 12), (7, 15), (1, 11), (8, 15)]:
         assert torch.equal(kernel(x[start:stop], w), full[start:stop]), (start, stop)
 
 
