@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from paged_backend.worker.attention import attention_options, describe_module, name_attention_modules
+from paged_backend.worker.trace_exclusion import TRACE_EXCLUSION
 
 PROBE_NAME = "paged_backend_probe"
 PROBE_TOKENS = 4
@@ -162,7 +163,7 @@ def _run_probe(model: torch.nn.Module) -> _ProbeRecord:
     record = _ProbeRecord()
     device = next(model.parameters()).device
     ids = torch.arange(1, PROBE_TOKENS + 1, device=device)[None]
-    with torch.inference_mode(), _probe_backend(model, record):
+    with torch.inference_mode(), _probe_backend(model, record), TRACE_EXCLUSION.forward():
         try:
             model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device=device)[None], use_cache=False)
         except ValueError:
