@@ -6,8 +6,9 @@
 // per output element), float32 where MKL runs on an AMD EPYC (11.8 GB/s of 33 at batch 1). This kernel streams
 // four weight rows at a time, each read once for up to kMaxRows rows of x (8 with AVX-512, else 4), widens
 // half-precision weights to float32 in registers (bfloat16: a 16-bit shift; float16: F16C's conversion where the
-// build targets it) and accumulates in float32. Half-precision results are rounded to the weights' dtype once (round to nearest even),
-// as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions differs from theirs.
+// build targets it) and accumulates in float32. Half-precision results are rounded to the weights' dtype once
+// (round to nearest even), as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions
+// differs from theirs.
 //
 // From kGemmMinRows rows of x on, the product is arithmetic-bound rather than memory-bound and a blocked product
 // replaces the dot products (`gemm`): x packed once per call into panels of 2 vectors of rows, each work item's

@@ -38,7 +38,8 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 40])
-# up to 15 rows: passes of up to 8 rows (AVX-512) or 4 over each work item's weights; 16 rows and more: the blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every
+# up to 15 rows: passes of up to 8 rows (AVX-512) or 4 over each work item's weights; 16 rows and more: the
+# blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every
 # vector width; 67 and 83: tails of vectors and of elements (one-row products read rows of up to 1024 elements one
 # by one, four vectors at a time); 1100: rows long enough for the tiles at one row
 @pytest.mark.parametrize("in_features", [576, 67, 83, 1100])

@@ -160,7 +160,8 @@ class CompiledForward:
         linear_kernels = use_linear_kernel(model)   # the linear layers our kernel serves on this CPU, when compiled
         self.eager = eager_forward(model)
         self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True,
-                                       backend=inductor_beside_forwards, options={**INDUCTOR_OPTIONS, "guard_filter_fn": GUARD_FILTER,
+                                       backend=inductor_beside_forwards,
+                                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": GUARD_FILTER,
                                                 "post_grad_custom_pre_pass": FuseSharedInputLinears()})
         self._run_only = torch._dynamo.run(self._compiled)
         self._scratch = _ScratchStep(cache_engine)
