@@ -183,12 +183,13 @@ def test_compiled_code_is_cached_and_background_compile_serves_eagerly_until_rea
     assert compiled.stats.buckets["batch"].steps > steps_before
 
 
-def test_steps_served_all_through_a_background_compile_leave_every_bucket_compiled():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_steps_served_all_through_a_background_compile_leave_every_bucket_compiled(dtype):
     """While any compile runs, `torch.compiler.is_compiling()` is true in every thread, so an eager step on the
     serving thread switches transformers' hub-kernels context variable to its process-wide value; when that
     happened while dynamo traced the model or built its guards, the bucket failed to compile ('Expected dict, got
     NoneType') and stayed eager for good. Steps run back to back until both buckets are done."""
-    model, _ = load_model("tiny-llama", dtype=torch.float64)
+    model, _ = load_model("tiny-llama", dtype=dtype)
     expected = _expected(model, PROMPTS[:2])
     engine = LLMEngine(model, num_blocks=64, compile=True)
     compiled = engine.runner.compiled
