@@ -117,7 +117,16 @@ def describe() -> Dict[str, Union[str, int, bool, List[str], Dict, None]]:
     return {"arch": features.machine, "instruction_sets": features.instruction_sets(),
             "vector_bits": features.vector_bits(), "torch_capability": torch_capability(),
             "kernel_vector_bits": kernel_vector_bits(), "half_precision": features.half_precision(),
-            "onednn_half_matmuls": onednn_half_matmuls()}
+            "onednn_half_matmuls": onednn_half_matmuls(), "linear_kernel_bfloat16": linear_kernel_bfloat16()}
+
+
+def linear_kernel_bfloat16() -> str:
+    """How the linear kernel multiplies bfloat16: AVX512_BF16's dot products, float32 FMAs, or not built."""
+    from . import cpu_linear
+
+    if not cpu_linear.op_available():
+        return "not built"
+    return "AVX512_BF16" if cpu_linear.native_bfloat16() else "float32 FMAs"
 
 
 def describe_lines() -> List[str]:
@@ -131,4 +140,5 @@ def describe_lines() -> List[str]:
             + (f"C++ kernels built for {info['kernel_vector_bits']}-bit" if info["kernel_vector_bits"]
                else "C++ kernels not built") + f", PyTorch dispatch {info['torch_capability']}",
             f"half precision: bfloat16 {half['bfloat16']}, float16 {half['float16']};"
-            f" oneDNN native matmuls: {', '.join(onednn) or 'none'}"]
+            f" oneDNN native matmuls: {', '.join(onednn) or 'none'};"
+            f" linear kernel bfloat16: {info['linear_kernel_bfloat16']}"]

@@ -15,7 +15,10 @@
 // weight rows widened once to float32, and a 6-row by 2-vector register tile that broadcasts one weight and loads
 // two vectors of x per step (no widening or horizontal sums in the inner loop).
 //
-// Plain C++17 with GCC/Clang vector extensions and OpenMP (cpu_build.py builds it with -march=native).
+// Built for AVX512_BF16, bfloat16 from two rows on multiplies pairs of bfloat16 with `vdpbf16ps` instead (below).
+//
+// Plain C++17 with GCC/Clang vector extensions and OpenMP (cpu_build.py builds it with -march=native); the
+// AVX512_BF16 path with its intrinsics.
 
 #if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
@@ -211,6 +214,86 @@ void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float
   }
 }
 
+// ---- bfloat16 through AVX512_BF16 --------------------------------------------------------------------------------
+//
+// Where the build targets AVX512_BF16, bfloat16 products of two rows of x and more go to `vdpbf16ps` without
+// widening: it multiplies 16 pairs of bfloat16 per vector and adds each pair's two products to one float32 lane,
+// twice the multiply-adds of a float32 FMA per instruction (smollm2's layers on a 2-core AVX-512 EPYC at 32 rows:
+// 25 against 53 ms; docs/compilation.md). A product of two bfloat16 is exact in float32; the additions round to
+// float32 (nearest even) as the FMAs above do, but in pairs, so the bits may differ from a build without
+// AVX512_BF16; operands and sums below float32's normal range count as zero (the instruction's DAZ/FTZ).
+#if defined(__AVX512BF16__)
+constexpr bool kNativeBFloat16 = true;
+#else
+constexpr bool kNativeBFloat16 = false;
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr int64_t kBf16Lanes = 32;   // bfloat16 per vector
+
+inline __m512bh bf16_load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+inline __m512bh bf16_load_first(const uint16_t* p, int64_t count) {   // the first `count` (< 32), zeros after
+  return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1u << count) - 1u), p);
+}
+
+// dot_tile's products for bfloat16 x (row stride k): sums[m * n + j + r] for weight rows [j, j + R).
+template <int64_t M, int64_t R>
+inline void dot_tile_bf16(const uint16_t* weight, int64_t k, const uint16_t* x, int64_t j, float* sums, int64_t n) {
+  const int64_t vec_end = k - k % kBf16Lanes;
+  const uint16_t* w = weight + j * k;
+  __m512 acc[R][M];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vec_end; i += kBf16Lanes) {   // one 64-byte line of each row per step
+    for (int64_t r = 0; r < R; ++r) __builtin_prefetch(w + (R + r) * k + i);
+    __m512bh a[R];
+    for (int64_t r = 0; r < R; ++r) a[r] = bf16_load(w + r * k + i);
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512bh xv = bf16_load(x + m * k + i);
+      for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], a[r], xv);
+    }
+  }
+  if (vec_end < k) {
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512bh xv = bf16_load_first(x + m * k + vec_end, k - vec_end);
+      for (int64_t r = 0; r < R; ++r)
+        acc[r][m] = _mm512_dpbf16_ps(acc[r][m], bf16_load_first(w + r * k + vec_end, k - vec_end), xv);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t m = 0; m < M; ++m) sums[m * n + j + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int64_t M>
+void dot_rows_bf16(const uint16_t* weight, int64_t k, const uint16_t* x, int64_t n0, int64_t n1, float* sums,
+                   int64_t n) {
+  constexpr int64_t R = M <= 2 ? 4 : 2;
+  int64_t j = n0;
+  for (; j + R <= n1; j += R) dot_tile_bf16<M, R>(weight, k, x, j, sums, n);
+  for (; j < n1; ++j) dot_tile_bf16<M, 1>(weight, k, x, j, sums, n);
+}
+#endif
+
+// dot_block for bfloat16 operands through AVX512_BF16 (x in bfloat16, row stride k).
+inline void dot_block_bf16(int64_t rows, const uint16_t* weight, int64_t k, const uint16_t* x, int64_t n0, int64_t n1,
+                           float* sums, int64_t n) {
+#if defined(__AVX512BF16__)
+  switch (rows) {
+    case 1: dot_rows_bf16<1>(weight, k, x, n0, n1, sums, n); break;
+    case 2: dot_rows_bf16<2>(weight, k, x, n0, n1, sums, n); break;
+    case 3: dot_rows_bf16<3>(weight, k, x, n0, n1, sums, n); break;
+    case 4: dot_rows_bf16<4>(weight, k, x, n0, n1, sums, n); break;
+    case 5: dot_rows_bf16<5>(weight, k, x, n0, n1, sums, n); break;
+    case 6: dot_rows_bf16<6>(weight, k, x, n0, n1, sums, n); break;
+    case 7: dot_rows_bf16<7>(weight, k, x, n0, n1, sums, n); break;
+    default: dot_rows_bf16<8>(weight, k, x, n0, n1, sums, n); break;
+  }
+#else
+  (void)rows, (void)weight, (void)k, (void)x, (void)n0, (void)n1, (void)sums, (void)n;
+#endif
+}
+
 // One weight of a product over a shared x: its n rows, bias (or null) and contiguous [m, n] output.
 template <int64_t Kind>
 struct Segment {
@@ -288,19 +371,96 @@ inline void gemm_tile(const float* panel, const float* w, int64_t k, float* sums
   }
 }
 
+#if defined(__AVX512BF16__)
+// The blocked product for bfloat16 through AVX512_BF16. A panel holds kPanel rows of x in pairs of elements along
+// k: pair q of lane r at q * 2 * kPanel + r * 2 (the layout vdpbf16ps reads), zeros past x's rows and past k. A
+// tile's weights are read in place, one pair of a row broadcast to every lane per step: no widening, no copy.
+
+inline int64_t bf16_pairs(int64_t k) { return (k + 1) / 2; }
+
+void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, uint16_t* panels) {
+  uint16_t* dst = panels + p * bf16_pairs(k) * 2 * kPanel;
+  const int64_t rows = m - p * kPanel < kPanel ? m - p * kPanel : kPanel;
+  const uint16_t* src = x + p * kPanel * x_stride;
+  for (int64_t q = 0; q < bf16_pairs(k); ++q) {
+    uint16_t* pair = dst + q * 2 * kPanel;
+    for (int64_t lane = 0; lane < kPanel; ++lane) {
+      const bool row = lane < rows;
+      pair[2 * lane] = row ? src[lane * x_stride + 2 * q] : 0;
+      pair[2 * lane + 1] = row && 2 * q + 1 < k ? src[lane * x_stride + 2 * q + 1] : 0;
+    }
+  }
+}
+
+inline __m512bh bf16_pair(const uint16_t* p) {   // elements p[0], p[1] in every lane
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+}
+
+// gemm_tile's sums for bfloat16: 6 weight rows (row stride k, read in place) by one panel of pairs.
+inline void gemm_tile_bf16(const uint16_t* panel, const uint16_t* w, int64_t k, float* sums, int64_t stride,
+                           const char* ahead, int64_t ahead_bytes) {
+  __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const uint16_t *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k, *w4 = w + 4 * k, *w5 = w + 5 * k;
+  const int64_t whole = k / 2;
+  for (int64_t q = 0; q < whole; ++q) {
+    if (q * 64 < ahead_bytes) __builtin_prefetch(ahead + q * 64, 0, 2);
+    const __m512bh x0 = bf16_load(panel + q * 2 * kPanel);
+    const __m512bh x1 = bf16_load(panel + q * 2 * kPanel + kBf16Lanes);
+    __m512bh b = bf16_pair(w0 + 2 * q);
+    c00 = _mm512_dpbf16_ps(c00, b, x0), c01 = _mm512_dpbf16_ps(c01, b, x1);
+    b = bf16_pair(w1 + 2 * q), c10 = _mm512_dpbf16_ps(c10, b, x0), c11 = _mm512_dpbf16_ps(c11, b, x1);
+    b = bf16_pair(w2 + 2 * q), c20 = _mm512_dpbf16_ps(c20, b, x0), c21 = _mm512_dpbf16_ps(c21, b, x1);
+    b = bf16_pair(w3 + 2 * q), c30 = _mm512_dpbf16_ps(c30, b, x0), c31 = _mm512_dpbf16_ps(c31, b, x1);
+    b = bf16_pair(w4 + 2 * q), c40 = _mm512_dpbf16_ps(c40, b, x0), c41 = _mm512_dpbf16_ps(c41, b, x1);
+    b = bf16_pair(w5 + 2 * q), c50 = _mm512_dpbf16_ps(c50, b, x0), c51 = _mm512_dpbf16_ps(c51, b, x1);
+  }
+  if (k % 2 == 1) {   // the last element alone: its pair's second weight is zero (never the next row's first)
+    const __m512bh x0 = bf16_load(panel + whole * 2 * kPanel);
+    const __m512bh x1 = bf16_load(panel + whole * 2 * kPanel + kBf16Lanes);
+    const uint16_t* rows[kTileN] = {w0, w1, w2, w3, w4, w5};
+    __m512* tile[kTileN][2] = {{&c00, &c01}, {&c10, &c11}, {&c20, &c21}, {&c30, &c31}, {&c40, &c41}, {&c50, &c51}};
+    for (int64_t r = 0; r < kTileN; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[r][k - 1]));
+      *tile[r][0] = _mm512_dpbf16_ps(*tile[r][0], b, x0);
+      *tile[r][1] = _mm512_dpbf16_ps(*tile[r][1], b, x1);
+    }
+  }
+  const __m512 tile[kTileN][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int64_t r = 0; r < kTileN; ++r) {
+    _mm512_storeu_ps(sums + r * stride, tile[r][0]);
+    _mm512_storeu_ps(sums + r * stride + L, tile[r][1]);
+  }
+}
+#endif
+
 // One work item: weight rows [n0, n1) of a segment widened to float32 (zero rows up to a whole tile; float32
 // weights in whole tiles are read in place), their sums over every panel, then bias and rounding into the output.
+// The packed panels' element: bfloat16 pairs for gemm_tile_bf16, float32 otherwise.
 template <int64_t Kind>
-void gemm_rows(const Segment<Kind>& seg, int64_t k, const float* panels, int64_t m, int64_t n0, int64_t n1) {
+using Packed = std::conditional_t<Kind == kBFloat16 && kNativeBFloat16, uint16_t, float>;
+
+template <int64_t Kind>
+void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, int64_t m, int64_t n0, int64_t n1) {
   thread_local std::vector<float> wide, sums;
+  constexpr bool kHalf = Kind == kBFloat16 && kNativeBFloat16;   // bfloat16 through gemm_tile_bf16
   const int64_t rows = n1 - n0, tiled = (rows + kTileN - 1) / kTileN * kTileN;
   const int64_t m_pad = (m + kPanel - 1) / kPanel * kPanel;
   const Element<Kind>* src = seg.weight + n0 * k;
-  const float* w;
-  if constexpr (Kind == kFloat32) {
+  const std::conditional_t<kHalf, Element<Kind>, float>* w;
+  if constexpr (Kind == kFloat32 || kHalf) {
     w = src;
   }
-  if (Kind != kFloat32 || rows != tiled) {
+  if constexpr (kHalf) {   // a last tile of fewer rows: copied, zero rows after
+    thread_local std::vector<uint16_t> padded;
+    if (rows != tiled) {
+      padded.assign(static_cast<size_t>(tiled * k), 0);
+      std::memcpy(padded.data(), src, static_cast<size_t>(rows * k) * 2);
+      w = padded.data();
+    }
+  } else if (Kind != kFloat32 || rows != tiled) {
     wide.resize(static_cast<size_t>(tiled * k));
     const int64_t total = rows * k, vec_end = total - total % L;
     for (int64_t i = 0; i < vec_end; i += L) cpu_kernels::store<float>(wide.data() + i, widen<Kind>(src + i));
@@ -315,9 +475,18 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const float* panels, int64_t
                         (tiled / kTileN);
   sums.resize(static_cast<size_t>(tiled * m_pad));
   for (int64_t p = 0; p < m_pad / kPanel; ++p)
-    for (int64_t j = 0; j < tiled; j += kTileN)
-      gemm_tile(panels + p * k * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel, m_pad,
-                ahead + (j / kTileN) * share, p == 0 ? share : 0);
+    for (int64_t j = 0; j < tiled; j += kTileN) {
+#if defined(__AVX512BF16__)
+      if constexpr (kHalf) {
+        gemm_tile_bf16(panels + p * bf16_pairs(k) * 2 * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel,
+                       m_pad, ahead + (j / kTileN) * share, p == 0 ? share : 0);
+        continue;
+      }
+#endif
+      if constexpr (!kHalf)
+        gemm_tile(panels + p * k * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel, m_pad,
+                  ahead + (j / kTileN) * share, p == 0 ? share : 0);
+    }
   float bias[kGemmTask];
   for (int64_t j = 0; j < rows; ++j) bias[j] = seg.bias != nullptr ? widen_one<Kind>(seg.bias[n0 + j]) : 0.0f;
   for (int64_t r = 0; r < m; ++r) {   // row by row: each output row's share is written in order
@@ -331,10 +500,11 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const float* panels, int64_t
 template <int64_t Kind>
 void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segments, int64_t count, int64_t m,
           int64_t k, int64_t num_threads) {
-  thread_local std::vector<float> packed;
+  constexpr bool kHalf = Kind == kBFloat16 && kNativeBFloat16;
+  thread_local std::vector<Packed<Kind>> packed;
   thread_local std::vector<int64_t> first_task;
   const int64_t panels = (m + kPanel - 1) / kPanel;
-  packed.resize(static_cast<size_t>(panels * kPanel * k));
+  packed.resize(static_cast<size_t>(panels * kPanel * (kHalf ? 2 * ((k + 1) / 2) : k)));
   first_task.resize(static_cast<size_t>(count + 1));
   int64_t tasks = 0;
   for (int64_t s = 0; s < count; ++s) {
@@ -342,12 +512,20 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
     tasks += (segments[s].n + kGemmTask - 1) / kGemmTask;
   }
   first_task[count] = tasks;
-  float* const panel_data = packed.data();
+  Packed<Kind>* const panel_data = packed.data();
   const int64_t* const firsts = first_task.data();
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) pack_panel<Kind>(x, x_stride, m, k, p, panel_data);
+    for (int64_t p = 0; p < panels; ++p) {
+#if defined(__AVX512BF16__)
+      if constexpr (kHalf) {
+        pack_panel_bf16(x, x_stride, m, k, p, panel_data);
+        continue;
+      }
+#endif
+      if constexpr (!kHalf) pack_panel<Kind>(x, x_stride, m, k, p, panel_data);
+    }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
       int64_t s = 0;
@@ -370,9 +548,14 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
     gemm<Kind>(x, x_stride, segments, count, m, k, num_threads);
     return;
   }
+  // x stays bfloat16 for dot_block_bf16 from two rows on; one row (a matrix-vector product, bound by memory)
+  // keeps float32 FMAs: vdpbf16ps was no faster there (smollm2's layers at 1 row, 11.6 against 12.9 ms).
+  const bool half_x = Kind == kBFloat16 && kNativeBFloat16 && m > 1;
   thread_local std::vector<float> wide, sums;   // x in float32, and the float32 results before rounding
+  thread_local std::vector<uint16_t> half;      // or x in bfloat16, rows contiguous
   thread_local std::vector<int64_t> first_task, sum_offset;   // per segment: its first work item, its sums
-  wide.resize(static_cast<size_t>(m * k));
+  if (half_x) half.resize(static_cast<size_t>(m * k));
+  else wide.resize(static_cast<size_t>(m * k));
   first_task.resize(static_cast<size_t>(count + 1));
   sum_offset.resize(static_cast<size_t>(count));
   int64_t tasks = 0, total = 0;
@@ -384,10 +567,15 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
   }
   first_task[count] = tasks;
   sums.resize(static_cast<size_t>(total));
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < k; ++i) wide[r * k + i] = widen_one<Kind>(x[r * x_stride + i]);
+  if (half_x) {
+    for (int64_t r = 0; r < m; ++r) std::memcpy(half.data() + r * k, x + r * x_stride, static_cast<size_t>(k) * 2);
+  } else {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) wide[r * k + i] = widen_one<Kind>(x[r * x_stride + i]);
+  }
   float* const sum_data = sums.data();
   const float* const x_data = wide.data();
+  const uint16_t* const half_data = half.data();
   const int64_t* const firsts = first_task.data();
   const int64_t* const offsets = sum_offset.data();
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
@@ -400,6 +588,12 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
     float* const seg_sums = sum_data + offsets[s];
     for (int64_t r = 0; r < m; r += kMaxRows) {
       const int64_t rows = m - r < kMaxRows ? m - r : kMaxRows;
+      if constexpr (Kind == kBFloat16) {
+        if (half_x) {
+          dot_block_bf16(rows, seg.weight, k, half_data + r * k, n0, n1, seg_sums + r * n, n);
+          continue;
+        }
+      }
       dot_block<Kind>(rows, seg.weight, k, x_data + r * k, n0, n1, seg_sums + r * n, n);
     }
   }

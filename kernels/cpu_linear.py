@@ -26,6 +26,10 @@ FEW_ROWS = 8
 # MKL stays slow (smollm2's layers on a 2-core AVX-512 EPYC, kernel / MKL: 32.7 / 46.2 ms at 8 rows, 38.8 / 76.8
 # at 32, 82.1 / 148.5 at 64, 271.8 / 362.5 at 256).
 FLOAT32_ROWS = 16
+# Bfloat16 where the kernel is built for AVX512_BF16 and the CPU has no AMX: up to this many rows the kernel's
+# `vdpbf16ps` products beat oneDNN's (smollm2's layers on a 2-core AVX-512 EPYC, kernel / oneDNN: 15.6 / 22.2 ms
+# at 8 rows, 20.4 / 27.0 at 16, 21.8 / 39.8 at 32, 81.8 / 96.5 at 128, 168 / 169 at 256, 380 / 314 at 512).
+NATIVE_BFLOAT16_ROWS = 256
 WIDE_VECTOR_BITS = 512   # the kernel's vector width from which float32 has no row limit off Intel
 
 
@@ -46,13 +50,15 @@ def define_ops() -> None:
     """Define `paged_backend::linear_rows(x, weight, bias, max_rows)` (the kernel for operands it takes and at most
     `max_rows` rows when max_rows > 0, PyTorch's linear otherwise), `paged_backend::linear_rows_N(x, w0, b0, ...,
     max_rows)` for N in GROUP_SIZES (N weights over one x in one parallel region, each output as `linear_rows`'s) and
-    `paged_backend::linear_rows_kernel_calls()` (how often their kernel ran in this process), once."""
+    `paged_backend::linear_rows_kernel_calls()` (how often their kernel ran in this process) and
+    `paged_backend::linear_rows_native_bfloat16()` (whether it was built for AVX512_BF16), once."""
     if not _operators:
         library = torch.library.Library("paged_backend", "FRAGMENT")
         library.define("linear_rows(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor")
         for count in GROUP_SIZES:
             library.define(group_schema(count))
         library.define("linear_rows_kernel_calls() -> int")
+        library.define("linear_rows_native_bfloat16() -> bool")
         _operators.append(library)
 
 
@@ -68,6 +74,11 @@ def op_available() -> bool:
 def kernel_calls() -> int:
     """How many calls of `torch.ops.paged_backend.linear_rows` ran the kernel in this process (0 without it)."""
     return int(torch.ops.paged_backend.linear_rows_kernel_calls()) if op_available() else 0
+
+
+def native_bfloat16() -> bool:
+    """Whether the kernel multiplies bfloat16 with AVX512_BF16's `vdpbf16ps` (built for a CPU that has it)."""
+    return bool(torch.ops.paged_backend.linear_rows_native_bfloat16()) if op_available() else False
 
 
 def enabled() -> bool:
@@ -94,10 +105,11 @@ def cpu_vendor() -> str:
 def max_rows(dtype: torch.dtype) -> Optional[int]:
     """For which steps compiled linear layers over `dtype` weights run the kernel on this CPU: None for none,
     0 for all, n for steps of at most n tokens. Half precision: FEW_ROWS where oneDNN has native `dtype`
-    matmuls, else all. Float32: none on Intel CPUs (MKL's product is near the memory bandwidth there: the
+    matmuls, else all; bfloat16 NATIVE_BFLOAT16_ROWS where the kernel has AVX512_BF16 and the CPU no AMX (with
+    AMX, oneDNN's tiles win from a few rows: the Xeon's records). Float32: none on Intel CPUs (MKL's product is near the memory bandwidth there: the
     compiled-decode record on a Xeon, 1.14x its floor), elsewhere all where the kernel has 512-bit vectors and
     FLOAT32_ROWS otherwise (MKL on an AMD EPYC reads 11.8 GB/s of 33 at batch 1, the kernel 20.8)."""
-    from .cpu_features import kernel_vector_bits, onednn_half_matmuls
+    from .cpu_features import cpu_features, kernel_vector_bits, onednn_half_matmuls
 
     if dtype == torch.float32:
         if cpu_vendor() == "GenuineIntel":
@@ -106,4 +118,8 @@ def max_rows(dtype: torch.dtype) -> Optional[int]:
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if name is None:
         raise ValueError(f"max_rows is for bfloat16, float16 and float32, not {dtype}")
-    return FEW_ROWS if onednn_half_matmuls()[name] else 0
+    if not onednn_half_matmuls()[name]:
+        return 0
+    if dtype == torch.bfloat16 and native_bfloat16() and not cpu_features().has("amx_bf16"):
+        return NATIVE_BFLOAT16_ROWS
+    return FEW_ROWS

@@ -118,6 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_rows_4_cpu(
 
 int64_t linear_rows_kernel_calls() { return kernel_calls.load(std::memory_order_relaxed); }
 
+bool linear_rows_native_bfloat16() { return kNativeBFloat16; }
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(paged_backend, CPU, m) {
@@ -129,4 +131,5 @@ TORCH_LIBRARY_IMPL(paged_backend, CPU, m) {
 
 TORCH_LIBRARY_IMPL(paged_backend, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_kernel_calls", &linear_rows_kernel_calls);
+  m.impl("linear_rows_native_bfloat16", &linear_rows_native_bfloat16);
 }

@@ -172,9 +172,16 @@ def test_the_operator_runs_the_kernel_up_to_its_row_limit(dtype):
 def test_the_row_limits_follow_onednns_native_half_precision_the_cpu_vendor_and_the_vector_width(monkeypatch):
     from paged_backend.kernels import cpu_features
 
-    for native, limit in ((True, cpu_linear.FEW_ROWS), (False, 0)):
-        monkeypatch.setattr(cpu_features, "onednn_half_matmuls", lambda: {"bfloat16": native, "float16": False})
-        assert cpu_linear.max_rows(torch.bfloat16) == limit and cpu_linear.max_rows(torch.float16) == 0
+    for onednn, kernel_bf16, amx, limit in ((True, False, False, cpu_linear.FEW_ROWS), (False, False, False, 0),
+                                            (True, True, False, cpu_linear.NATIVE_BFLOAT16_ROWS),
+                                            (True, True, True, cpu_linear.FEW_ROWS), (False, True, False, 0)):
+        monkeypatch.setattr(cpu_features, "onednn_half_matmuls", lambda: {"bfloat16": onednn, "float16": False})
+        monkeypatch.setattr(cpu_linear, "native_bfloat16", lambda: kernel_bf16)
+        flags = "avx512f avx512_bf16" + (" amx_bf16" if amx else "")
+        monkeypatch.setattr(cpu_features, "cpu_features",
+                            lambda: cpu_features.parse_cpuinfo(f"flags\t: {flags}\n", "x86_64"))
+        assert cpu_linear.max_rows(torch.bfloat16) == limit, (onednn, kernel_bf16, amx)
+        assert cpu_linear.max_rows(torch.float16) == 0
     assert cpu_linear.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
     for vendor, bits, limit in (("GenuineIntel", 512, None), ("GenuineIntel", 256, None),
                                 ("AuthenticAMD", 256, cpu_linear.FLOAT32_ROWS), ("AuthenticAMD", 512, 0),
@@ -273,3 +280,19 @@ def test_the_compiled_graph_calls_the_operator(limit):
         assert cpu_linear.kernel_calls() == calls + 1
         assert torch.equal(compiled(many), expected_many)
     assert cpu_linear.kernel_calls() == calls + 1 + (limit == 0)
+
+
+def test_bfloat16_through_avx512_bf16_where_the_cpu_has_it_counts_subnormal_operands_as_zero():
+    """Built for AVX512_BF16, bfloat16 products of two rows and more go through `vdpbf16ps`, which counts operands
+    below float32's normal range as zero (PyTorch's float32 sums keep them); one row stays float32 FMAs."""
+    from paged_backend.kernels.cpu_features import cpu_features
+
+    if not cpu_linear.native_bfloat16():
+        assert not cpu_features().has("avx512_bf16") or not cpu_features().has("avx512f")
+        pytest.skip("this CPU (or compiler) has no AVX512_BF16: the float32 FMA path serves bfloat16")
+    assert cpu_features().has("avx512_bf16")
+    w = torch.full((3, 64), 2.0 ** 60, dtype=torch.bfloat16)
+    for rows in (1, 2, 8, 16):
+        x = torch.full((rows, 64), 2.0 ** -130, dtype=torch.bfloat16)   # subnormal
+        expected = 0.0 if rows > 1 else 64 * 2.0 ** -70
+        assert kernel(x, w).float().unique().tolist() == [expected], rows

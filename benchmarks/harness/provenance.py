@@ -129,6 +129,8 @@ def instruction_sets_text(machine: dict) -> str:
         return ""
     bits = features.get("kernel_vector_bits")
     kernels = f"C++ kernels {bits}-bit" if bits else "C++ kernels' width unknown"
+    if features.get("linear_kernel_bfloat16") == "AVX512_BF16":   # named since the kernel took vdpbf16ps
+        kernels += ", bfloat16 linear through AVX512_BF16"
     return (f" ({', '.join(features.get('instruction_sets') or []) or 'instruction sets unknown'}; {kernels}, "
             f"PyTorch {features.get('torch_capability')})")
 
