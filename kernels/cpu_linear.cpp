@@ -371,14 +371,13 @@ inline void gemm_tile(const float* panel, const float* w, int64_t k, float* sums
   }
 }
 
-#if defined(__AVX512BF16__)
 // The blocked product for bfloat16 through AVX512_BF16. A panel holds kPanel rows of x in pairs of elements along
 // k: pair q of lane r at q * 2 * kPanel + r * 2 (the layout vdpbf16ps reads), zeros past x's rows and past k. A
 // tile's weights are read in place, one pair of a row broadcast to every lane per step: no widening, no copy.
 
 inline int64_t bf16_pairs(int64_t k) { return (k + 1) / 2; }
 
-void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, uint16_t* panels) {
+inline void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, uint16_t* panels) {
   uint16_t* dst = panels + p * bf16_pairs(k) * 2 * kPanel;
   const int64_t rows = m - p * kPanel < kPanel ? m - p * kPanel : kPanel;
   const uint16_t* src = x + p * kPanel * x_stride;
@@ -392,6 +391,7 @@ void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, 
   }
 }
 
+#if defined(__AVX512BF16__)
 inline __m512bh bf16_pair(const uint16_t* p) {   // elements p[0], p[1] in every lane
   uint32_t bits;
   std::memcpy(&bits, p, 4);
@@ -434,13 +434,17 @@ inline void gemm_tile_bf16(const uint16_t* panel, const uint16_t* w, int64_t k, 
     _mm512_storeu_ps(sums + r * stride + L, tile[r][1]);
   }
 }
+#else
+inline void gemm_tile_bf16(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
 #endif
 
-// One work item: weight rows [n0, n1) of a segment widened to float32 (zero rows up to a whole tile; float32
-// weights in whole tiles are read in place), their sums over every panel, then bias and rounding into the output.
 // The packed panels' element: bfloat16 pairs for gemm_tile_bf16, float32 otherwise.
 template <int64_t Kind>
 using Packed = std::conditional_t<Kind == kBFloat16 && kNativeBFloat16, uint16_t, float>;
+
+// One work item: weight rows [n0, n1) of a segment widened to float32 (zero rows up to a whole tile; float32
+// weights in whole tiles, and bfloat16 ones for gemm_tile_bf16, are read in place), their sums over every panel,
+// then bias and rounding into the output.
 
 template <int64_t Kind>
 void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, int64_t m, int64_t n0, int64_t n1) {
@@ -476,14 +480,10 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
   sums.resize(static_cast<size_t>(tiled * m_pad));
   for (int64_t p = 0; p < m_pad / kPanel; ++p)
     for (int64_t j = 0; j < tiled; j += kTileN) {
-#if defined(__AVX512BF16__)
-      if constexpr (kHalf) {
+      if constexpr (kHalf)
         gemm_tile_bf16(panels + p * bf16_pairs(k) * 2 * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel,
                        m_pad, ahead + (j / kTileN) * share, p == 0 ? share : 0);
-        continue;
-      }
-#endif
-      if constexpr (!kHalf)
+      else
         gemm_tile(panels + p * k * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel, m_pad,
                   ahead + (j / kTileN) * share, p == 0 ? share : 0);
     }
@@ -504,7 +504,7 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
   thread_local std::vector<Packed<Kind>> packed;
   thread_local std::vector<int64_t> first_task;
   const int64_t panels = (m + kPanel - 1) / kPanel;
-  packed.resize(static_cast<size_t>(panels * kPanel * (kHalf ? 2 * ((k + 1) / 2) : k)));
+  packed.resize(static_cast<size_t>(panels * kPanel * (kHalf ? 2 * bf16_pairs(k) : k)));
   first_task.resize(static_cast<size_t>(count + 1));
   int64_t tasks = 0;
   for (int64_t s = 0; s < count; ++s) {
@@ -518,13 +518,8 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
   {
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-#if defined(__AVX512BF16__)
-      if constexpr (kHalf) {
-        pack_panel_bf16(x, x_stride, m, k, p, panel_data);
-        continue;
-      }
-#endif
-      if constexpr (!kHalf) pack_panel<Kind>(x, x_stride, m, k, p, panel_data);
+      if constexpr (kHalf) pack_panel_bf16(x, x_stride, m, k, p, panel_data);
+      else pack_panel<Kind>(x, x_stride, m, k, p, panel_data);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -549,7 +544,7 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
     return;
   }
   // x stays bfloat16 for dot_block_bf16 from two rows on; one row (a matrix-vector product, bound by memory)
-  // keeps float32 FMAs: vdpbf16ps was no faster there (smollm2's layers at 1 row, 11.6 against 12.9 ms).
+  // keeps float32 FMAs: vdpbf16ps was slower there (smollm2's layers at 1 row: FMAs 11.6 ms, vdpbf16ps 12.9).
   const bool half_x = Kind == kBFloat16 && kNativeBFloat16 && m > 1;
   thread_local std::vector<float> wide, sums;   // x in float32, and the float32 results before rounding
   thread_local std::vector<uint16_t> half;      // or x in bfloat16, rows contiguous
