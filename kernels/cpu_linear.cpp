@@ -591,15 +591,13 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
       }
       dot_block<Kind>(rows, seg.weight, k, x_data + r * k, n0, n1, seg_sums + r * n, n);
     }
-  }
-  for (int64_t s = 0; s < count; ++s) {
-    const Segment<Kind>& seg = segments[s];
-    const float* seg_sums = sum_data + offsets[s];
+    // The task's outputs, by the thread that summed them: a pass after the region ran on one thread while the
+    // other waited (about 200 thousand outputs per smollm2 batch-1 step; the step 19.5 -> 18.9 ms, noisy).
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < seg.n; ++j) {
-        float v = seg_sums[r * seg.n + j];
+      for (int64_t j = n0; j < n1; ++j) {
+        float v = seg_sums[r * n + j];
         if (seg.bias != nullptr) v += widen_one<Kind>(seg.bias[j]);
-        seg.out[r * seg.n + j] = narrow<Kind>(v);
+        seg.out[r * n + j] = narrow<Kind>(v);
       }
   }
 }
