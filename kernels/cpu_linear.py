@@ -27,8 +27,9 @@ FEW_ROWS = 8
 # at 32, 82.1 / 148.5 at 64, 271.8 / 362.5 at 256).
 FLOAT32_ROWS = 16
 # Bfloat16 where the kernel is built for AVX512_BF16 and the CPU has no AMX: up to this many rows the kernel's
-# `vdpbf16ps` products beat oneDNN's (smollm2's layers on a 2-core AVX-512 EPYC, kernel / oneDNN: 15.6 / 22.2 ms
-# at 8 rows, 20.4 / 27.0 at 16, 21.8 / 39.8 at 32, 81.8 / 96.5 at 128, 168 / 169 at 256, 380 / 314 at 512).
+# `vdpbf16ps` products beat oneDNN's (smollm2's layers on a 2-core AVX-512 EPYC, kernel / oneDNN, medians of 3:
+# 18.4 / 29.8 ms at 8 rows, 23.4 / 33.1 at 16, 25.0 / 46.9 at 32, 98.1 / 104.6 at 128; in one run 168 / 169 at
+# 256 and 380 / 314 at 512: docs/compilation.md).
 NATIVE_BFLOAT16_ROWS = 256
 WIDE_VECTOR_BITS = 512   # the kernel's vector width from which float32 has no row limit off Intel
 
@@ -106,8 +107,9 @@ def max_rows(dtype: torch.dtype) -> Optional[int]:
     """For which steps compiled linear layers over `dtype` weights run the kernel on this CPU: None for none,
     0 for all, n for steps of at most n tokens. Half precision: FEW_ROWS where oneDNN has native `dtype`
     matmuls, else all; bfloat16 NATIVE_BFLOAT16_ROWS where the kernel has AVX512_BF16 and the CPU no AMX (with
-    AMX, oneDNN's tiles win from a few rows: the Xeon's records). Float32: none on Intel CPUs (MKL's product is near the memory bandwidth there: the
-    compiled-decode record on a Xeon, 1.14x its floor), elsewhere all where the kernel has 512-bit vectors and
+    AMX it stays FEW_ROWS: oneDNN's AMX tiles were never measured against this kernel). Float32: none on Intel
+    CPUs (MKL's product is near the memory bandwidth there: the compiled-decode record on a Xeon, 1.14x its
+    floor), elsewhere all where the kernel has 512-bit vectors and
     FLOAT32_ROWS otherwise (MKL on an AMD EPYC reads 11.8 GB/s of 33 at batch 1, the kernel 20.8)."""
     from .cpu_features import cpu_features, kernel_vector_bits, onednn_half_matmuls
 
