@@ -194,13 +194,37 @@ def hf_top_k_kept(row: torch.Tensor, k: int) -> set:
     return set(torch.isfinite(warped).nonzero().flatten().tolist())
 
 
+def assert_inverse_cdf_draws(drawn: torch.Tensor, row: torch.Tensor, ids: list, uniforms: torch.Tensor, what,
+                             rounding: float = 1e-6) -> None:
+    """Each draw is the token of `ids` (ascending) at which the float64 cumulative probability first exceeds
+    u, or, where u's target lies within `rounding` of the total from the step between two neighbouring tokens,
+    either of them: the kernels sum float32 exponentials, so a target on a step may fall on its other side."""
+    cdf = (row[ids].double() - row.double().max()).exp().cumsum(0)
+    targets = uniforms * cdf[-1]
+    at = torch.searchsorted(cdf, targets, right=True).clamp(max=len(ids) - 1)
+    position = torch.searchsorted(torch.tensor(ids), drawn)
+    assert bool((torch.tensor(ids)[position.clamp(max=len(ids) - 1)] == drawn).all()), (what, "a draw outside ids")
+    step = torch.minimum(at, position)                  # the cdf entry between the two tokens
+    near_step = (targets - cdf[step]).abs() <= rounding * cdf[-1]
+    ok = (position == at) | (((position - at).abs() == 1) & near_step)
+    bad = (~ok).nonzero().flatten()
+    assert not bad.numel(), (what, f"{bad.numel()} draws off the inverse CDF, e.g. u={float(uniforms[bad[0]])!r} "
+                                   f"drew {int(drawn[bad[0]])} where {ids[int(at[bad[0]])]} was due")
+
+
+# Seeds of the tie rows below whose comb puts a target within float rounding of a CDF step (run seeds 10, 16 and
+# 197: rows 2, 2 and 1); they failed CI once in twenty runs while the exact draw was required there.
+BOUNDARY_SEEDS = (10009202, 16009220, 197009763)
+
+
+@pytest.mark.parametrize("seed", [None, *BOUNDARY_SEEDS], ids=["run-seed", *map(str, BOUNDARY_SEEDS)])
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
-def test_top_k_keeps_the_ties_with_the_kth_logit_as_transformers_does(impl):
+def test_top_k_keeps_the_ties_with_the_kth_logit_as_transformers_does(impl, seed):
     """Integer logits give many ties. The kept set is transformers' (TopKLogitsWarper keeps every logit >= the
     k-th largest): `kept` counts it, and each draw of a uniform comb is the token the inverse CDF over that set
     gives, with its log-probability; in both the heap (small k) and nth_element (k > 1024) selections. A row
     whose k-th logit is -inf keeps every token (the finite ones are drawn)."""
-    gen = torch.Generator().manual_seed(case_seed("top-k-ties"))
+    gen = torch.Generator().manual_seed(case_seed("top-k-ties") if seed is None else seed)
     vocab = 1500
     logits = torch.randint(0, 5, (4, vocab), generator=gen).float()
     logits[1, 300:] = float("-inf")                                # fewer finite tokens than some k
@@ -214,11 +238,8 @@ def test_top_k_keeps_the_ties_with_the_kth_logit_as_transformers_does(impl):
             want = sorted(hf_top_k_kept(logits[r], k))
             finite_kth = bool(torch.isfinite(logits[r].topk(k).values[-1]))
             assert int(out.kept[r]) == (len(want) if finite_kth else vocab), (k, r)
-            e = (logits[r, want].double() - logits[r].double().max()).exp()
-            cdf = e.cumsum(0)
-            expected = torch.tensor(want)[torch.searchsorted(cdf, uniforms * cdf[-1], right=True)]
             drawn = out.tokens[r * len(uniforms):(r + 1) * len(uniforms)]
-            assert torch.equal(drawn, expected), (k, r)
+            assert_inverse_cdf_draws(drawn, logits[r], want, uniforms, (k, r))
             logprobs = logits[r, drawn].double() - torch.logsumexp(logits[r, want].double(), 0)
             assert torch.allclose(out.logprobs[r * len(uniforms):(r + 1) * len(uniforms)], logprobs, atol=1e-6)
 
