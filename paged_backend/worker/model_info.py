@@ -60,4 +60,8 @@ def kernel_lines(device: torch.device) -> List[str]:
         from paged_backend.kernels.cpu_features import describe_lines
 
         lines += [("cpu:" if i == 0 else "").ljust(20) + line for i, line in enumerate(describe_lines())]
+        from paged_backend.worker.huge_pages import transparent_huge_pages, wanted
+
+        lines.append("weights:".ljust(20) + ("in transparent huge pages" if wanted() else "in 4 KiB pages")
+                     + f" (the kernel's policy: {transparent_huge_pages()})")
     return lines

@@ -19,6 +19,7 @@ from paged_backend.worker.attention import ATTENTION_NAME, AttentionMetadata, at
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.config import compile_mode
 from paged_backend.worker.compiled_forward import CompiledForward, eager_forward
+from paged_backend.worker.huge_pages import HugePageWeights, move_weights_to_huge_pages
 from paged_backend.worker.trace_exclusion import TRACE_EXCLUSION
 from paged_backend.worker.lora_layers import LoRALayers
 from paged_backend.worker.model_support import check_model_supported
@@ -72,6 +73,9 @@ class ModelRunner:
         self.model = model
         self.cache_engine = cache_engine
         self.device = next(model.parameters()).device
+        # a step reads every weight: on the CPU, from huge pages where the kernel lends them (huge_pages.py)
+        self.huge_pages = (move_weights_to_huge_pages(model) if self.device.type == "cpu"
+                           else HugePageWeights(0, 0, 0))
         self.layer_of = attention_layers(model)
         if len(set(self.layer_of.values())) != cache_engine.geometry.num_layers:
             raise ValueError(f"{type(model).__name__}: found {len(set(self.layer_of.values()))} attention layers "
