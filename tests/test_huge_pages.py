@@ -95,3 +95,18 @@ def test_info_says_where_the_weights_are(monkeypatch):
         monkeypatch.setenv(huge_pages.ENV, setting)
         [line] = [line for line in kernel_lines(torch.device("cpu")) if line.startswith("weights:")]
         assert expected in line and huge_pages.transparent_huge_pages() in line, line
+
+
+def test_a_cpu_kv_cache_is_zeros_in_huge_pages(monkeypatch):
+    from paged_backend.worker.cache_engine import CacheEngine, KVGeometry
+
+    for setting in ("1", "0"):
+        monkeypatch.setenv(huge_pages.ENV, setting)
+        for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+            cache = CacheEngine(KVGeometry(2, 2, 64), 16, 512, 4, dtype, torch.device("cpu"))   # 4-16 MiB
+            assert cache.kv.shape == (2, 2, 512, 16, 2, 64) and cache.kv.dtype == dtype
+            assert not cache.kv.float().any() and cache.kv.is_contiguous()
+            in_mapping = huge_pages._huge_bytes(cache.kv.data_ptr()) >= cache.kv.numel() * cache.kv.element_size()
+            assert in_mapping == (setting == "1" and THP), (setting, dtype)
+            cache.kv_caches[1][0][3, 5] = 1.0                      # the layers' views write into it
+            assert cache.kv[1, 0, 3, 5].float().eq(1.0).all()

@@ -15,6 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from paged_backend import kernels
+from paged_backend.worker.huge_pages import huge_page_zeros
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,10 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         shape = (geometry.num_layers, 2, num_blocks, block_size, geometry.num_kv_heads, geometry.head_size)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":   # attention reads it every step: in huge pages (huge_pages.py)
+            self.kv = huge_page_zeros(shape, dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (geometry.num_layers, 2, num_swap_blocks) + shape[3:]
         pin = torch.device(device).type == "cuda"
         self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)

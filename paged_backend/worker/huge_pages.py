@@ -3,10 +3,11 @@
 A decode step reads every weight once, so at small batches it is bound by memory reads; on 4 KiB pages that read
 crosses a page, with its TLB miss, every 4 KiB (66 thousand pages per step of smollm2 in bfloat16). Weights are
 usually 4 KiB pages: a loaded checkpoint is a file mapping, a copy is malloc's, and this machine's kernel grants
-huge pages only to memory advised so (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`). So the engine
-copies each weight it owns alone into one anonymous mapping advised `MADV_HUGEPAGE` (measured on a 2-core Intel
-Xeon: all of smollm2's bfloat16 linear layers at one row 12.3 -> 11.5 ms, docs/compilation.md). Values and
-`Parameter` objects stay; only their storage moves. `PAGED_BACKEND_HUGE_PAGES=0` turns it off.
+huge pages only to memory advised so (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`). So the model
+runner copies each weight that owns its storage into one anonymous mapping advised `MADV_HUGEPAGE`, and a CPU KV
+cache is allocated in one (on a 2-core Intel Xeon, all of smollm2's bfloat16 linear layers at one row went from
+12.3 to 11.5 ms; docs/compilation.md). Values and `Parameter` objects stay; only their storage moves.
+`PAGED_BACKEND_HUGE_PAGES=0` turns both off.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -69,8 +70,8 @@ def _sole_owners(module: torch.nn.Module) -> List[torch.Tensor]:
             and group[0].numel() * group[0].element_size() >= _MIN_BYTES]
 
 
-def _huge_bytes(start: int, length: int) -> int:
-    """AnonHugePages of the mapping that starts at address `start` (from /proc/self/smaps), 0 if unknown."""
+def _huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (from /proc/self/smaps), 0 if unknown."""
     try:
         with open("/proc/self/smaps") as f:
             inside = False
@@ -78,12 +79,21 @@ def _huge_bytes(start: int, length: int) -> int:
                 head = line.split(" ", 1)[0]
                 if "-" in head and ":" not in head:
                     low, high = (int(part, 16) for part in head.split("-"))
-                    inside = low <= start < high
+                    inside = low <= address < high
                 elif inside and line.startswith("AnonHugePages:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return 0
+
+
+def _advised_mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping advised MADV_HUGEPAGE, whole huge pages from its first 2 MiB boundary on
+    covering `nbytes` (a tensor placed there lies on huge pages only)."""
+    mapping = mmap.mmap(-1, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE + _HUGE_PAGE,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    return mapping
 
 
 def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageWeights:
@@ -94,8 +104,7 @@ def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageWeights:
     if not tensors:
         return HugePageWeights(0, 0, 0)
     sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
-    mapping = mmap.mmap(-1, sum(sizes) + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    mapping = _advised_mapping(sum(sizes))
     base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
     offset = -base % _HUGE_PAGE
     with torch.no_grad():
@@ -107,4 +116,18 @@ def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageWeights:
             offset += size
     setattr(module, _MOVED, True)
     moved = sum(t.numel() * t.element_size() for t in tensors)
-    return HugePageWeights(len(tensors), moved, _huge_bytes(base, len(mapping)))
+    return HugePageWeights(len(tensors), moved, _huge_bytes(base))
+
+
+def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in a mapping of its own advised MADV_HUGEPAGE (the KV cache, which attention reads every
+    step), its pages touched now as `torch.zeros` would; `torch.zeros` where `wanted()` is false or it is small."""
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not wanted() or nbytes < _MIN_BYTES:
+        return torch.zeros(tuple(shape), dtype=dtype)
+    mapping = _advised_mapping(nbytes)
+    offset = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % _HUGE_PAGE
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset).view(tuple(shape)).zero_()
