@@ -265,9 +265,33 @@ inline void dot_tile_bf16(const uint16_t* weight, int64_t k, const uint16_t* x, 
     for (int64_t m = 0; m < M; ++m) sums[m * n + j + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+// dot_row for bfloat16 x through vdpbf16ps: one weight row front to back, two lines per step into two
+// accumulators, a software prefetch 1 KiB ahead (one sequential stream per thread, as dot_row); no widening.
+inline float dot_row_bf16(const uint16_t* w, int64_t k, const uint16_t* x) {
+  constexpr int64_t kAhead = 1024 / 2;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 * kBf16Lanes <= k; i += 2 * kBf16Lanes) {
+    __builtin_prefetch(w + i + kAhead);
+    __builtin_prefetch(w + i + kBf16Lanes + kAhead);
+    a0 = _mm512_dpbf16_ps(a0, bf16_load(w + i), bf16_load(x + i));
+    a1 = _mm512_dpbf16_ps(a1, bf16_load(w + i + kBf16Lanes), bf16_load(x + i + kBf16Lanes));
+  }
+  if (i + kBf16Lanes <= k) {
+    a0 = _mm512_dpbf16_ps(a0, bf16_load(w + i), bf16_load(x + i));
+    i += kBf16Lanes;
+  }
+  if (i < k) a1 = _mm512_dpbf16_ps(a1, bf16_load_first(w + i, k - i), bf16_load_first(x + i, k - i));
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
 template <int64_t M>
 void dot_rows_bf16(const uint16_t* weight, int64_t k, const uint16_t* x, int64_t n0, int64_t n1, float* sums,
                    int64_t n) {
+  if (M == 1 && k <= kRowByRowMaxK) {
+    for (int64_t j = n0; j < n1; ++j) sums[j] = dot_row_bf16(weight + j * k, k, x);
+    return;
+  }
   constexpr int64_t R = M <= 2 ? 4 : 2;
   int64_t j = n0;
   for (; j + R <= n1; j += R) dot_tile_bf16<M, R>(weight, k, x, j, sums, n);
@@ -543,9 +567,11 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
     gemm<Kind>(x, x_stride, segments, count, m, k, num_threads);
     return;
   }
-  // x stays bfloat16 for dot_block_bf16 from two rows on; one row (a matrix-vector product, bound by memory)
-  // keeps float32 FMAs: vdpbf16ps was slower there (smollm2's layers at 1 row: FMAs 11.6 ms, vdpbf16ps 12.9).
-  const bool half_x = Kind == kBFloat16 && kNativeBFloat16 && m > 1;
+  // x stays bfloat16 for dot_block_bf16 from two rows on, and at one row over rows of up to kRowByRowMaxK elements
+  // (dot_row_bf16: smollm2's layers at 1 row on a 2-core Xeon, weights in huge pages, 11.3-11.7 -> 10.4-10.7 ms).
+  // Longer rows at one row keep float32 FMAs: vdpbf16ps tiles were slower there (on a 2-core AVX-512 EPYC, FMAs
+  // 11.6 ms against 12.9 over smollm2's layers; the row-by-row form was not measured on that CPU).
+  const bool half_x = Kind == kBFloat16 && kNativeBFloat16 && (m > 1 || k <= kRowByRowMaxK);
   thread_local std::vector<float> wide, sums;   // x in float32, and the float32 results before rounding
   thread_local std::vector<uint16_t> half;      // or x in bfloat16, rows contiguous
   thread_local std::vector<int64_t> first_task, sum_offset;   // per segment: its first work item, its sums

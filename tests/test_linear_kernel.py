@@ -283,15 +283,17 @@ def test_the_compiled_graph_calls_the_operator(limit):
 
 
 def test_bfloat16_subnormal_operands_count_as_zero_exactly_where_avx512_bf16_multiplies_them():
-    """Built for AVX512_BF16, bfloat16 products of two rows and more go through `vdpbf16ps`, which counts operands
-    below float32's normal range as zero (PyTorch's float32 sums keep them); one row, and every row count in a
-    build without it, stays float32 FMAs, which keep them."""
+    """Built for AVX512_BF16, bfloat16 products go through `vdpbf16ps` (from two rows on, and at one row over rows
+    of up to 1024 elements), which counts operands below float32's normal range as zero (PyTorch's float32 sums
+    keep them); one row over longer rows, and every product in a build without it, stays float32 FMAs, which keep
+    them."""
     from paged_backend.kernels.cpu_features import cpu_features
 
     native = cpu_linear.native_bfloat16()
     assert not native or cpu_features().has("avx512_bf16")   # the build follows the CPU (-march=native)
-    w = torch.full((3, 64), 2.0 ** 60, dtype=torch.bfloat16)
-    for rows in (1, 2, 8, 16):
-        x = torch.full((rows, 64), 2.0 ** -130, dtype=torch.bfloat16)   # subnormal
-        expected = 0.0 if native and rows > 1 else 64 * 2.0 ** -70
-        assert kernel(x, w).float().unique().tolist() == [expected], (rows, native)
+    for k in (64, 1088):
+        w = torch.full((3, k), 2.0 ** 60, dtype=torch.bfloat16)
+        for rows in (1, 2, 8, 16):
+            x = torch.full((rows, k), 2.0 ** -130, dtype=torch.bfloat16)   # subnormal
+            expected = 0.0 if native and (rows > 1 or k <= 1024) else k * 2.0 ** -70
+            assert kernel(x, w).float().unique().tolist() == [expected], (k, rows, native)
