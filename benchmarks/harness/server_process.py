@@ -86,13 +86,39 @@ def start_server(argv: List[str], env: Optional[Dict[str, str]] = None, ready_ti
     return wait_ready(launch(argv, ready_pattern, env), ready_timeout)
 
 
-def cpu_seconds(pid: int) -> Optional[float]:
-    """User + system CPU time of a process (all its threads) from /proc; None where /proc is unavailable."""
+def _own_cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU time of one process (all its threads) from /proc; None where it cannot be read."""
     try:
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> List[int]:
+    """The live child processes of `pid` (/proc/PID/task/TID/children of each of its threads)."""
+    children: List[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children += [int(child) for child in f.read().split()]
+    except OSError:
+        pass
+    return children
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU time of a process and its live descendants (a server may run its model in a process it
+    spawned, as transformers 5.25's `serve` does) from /proc; None where the process cannot be read."""
+    total = _own_cpu_seconds(pid)
+    if total is None:
+        return None
+    pending = _children(pid)
+    while pending:
+        child = pending.pop()
+        total += _own_cpu_seconds(child) or 0.0
+        pending += _children(child)
+    return total
 
 
 class CpuSampler:
