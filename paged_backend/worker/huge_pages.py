@@ -12,6 +12,7 @@ cache is allocated in one (on a 2-core Intel Xeon, all of smollm2's bfloat16 lin
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -66,8 +67,7 @@ def _sole_owners(module: torch.nn.Module) -> List[torch.Tensor]:
         by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
     return [group[0] for group in by_storage.values()
             if len(group) == 1 and group[0].is_contiguous() and group[0].storage_offset() == 0
-            and group[0].untyped_storage().nbytes() == group[0].numel() * group[0].element_size()
-            and group[0].numel() * group[0].element_size() >= _MIN_BYTES]
+            and group[0].untyped_storage().nbytes() == group[0].nbytes >= _MIN_BYTES]
 
 
 def _huge_bytes(address: int) -> int:
@@ -103,7 +103,7 @@ def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageWeights:
     tensors = _sole_owners(module) if wanted() and not getattr(module, _MOVED, False) else []
     if not tensors:
         return HugePageWeights(0, 0, 0)
-    sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
+    sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]
     mapping = _advised_mapping(sum(sizes))
     base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
     offset = -base % _HUGE_PAGE
@@ -115,17 +115,14 @@ def move_weights_to_huge_pages(module: torch.nn.Module) -> HugePageWeights:
             tensor.data = place
             offset += size
     setattr(module, _MOVED, True)
-    moved = sum(t.numel() * t.element_size() for t in tensors)
-    return HugePageWeights(len(tensors), moved, _huge_bytes(base))
+    return HugePageWeights(len(tensors), sum(t.nbytes for t in tensors), _huge_bytes(base))
 
 
 def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor in a mapping of its own advised MADV_HUGEPAGE (the KV cache, which attention reads every
     step), its pages touched now as `torch.zeros` would; `torch.zeros` where `wanted()` is false or it is small."""
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if not wanted() or nbytes < _MIN_BYTES:
         return torch.zeros(tuple(shape), dtype=dtype)
     mapping = _advised_mapping(nbytes)
