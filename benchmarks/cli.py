@@ -1,8 +1,8 @@
-"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, overhead, structured, or all) or
-a study (recompute-policies, busy-threads, step-profile, host-overhead, lora, compiled-decode, speculative) at a
-named size, print its table, write NAME.json (and NAME.png) under RESULTS/NAME/. `--documented` runs it at the size
-docs/benchmarks.md documents, records it (benchmarks: docs/img/bench-NAME.json beside the plot; studies:
-docs/measurements/NAME.json) and regenerates the doc; `bench docs` regenerates docs/benchmarks.md and its plots
+"""`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, serving-half, overhead,
+structured, or all) or a study (recompute-policies, busy-threads, step-profile, host-overhead, lora, compiled-decode,
+speculative) at a named size, print its table, write NAME.json (and NAME.png) under RESULTS/NAME/. `--documented`
+runs it at the size docs/benchmarks.md documents, records it (benchmarks: docs/img/bench-NAME.json beside the plot;
+studies: docs/measurements/NAME.json) and regenerates the doc; `bench docs` regenerates docs/benchmarks.md and its plots
 from the recorded JSON alone."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from paged_backend.benchmarks.harness.provenance import REPO_ROOT, dirty_refusal, git_state, pinned_git_state
 
-BENCHMARKS = ("waste", "throughput", "sharing", "serving", "overhead", "structured")   # `all`, one commit
+# `all`, one commit; serving-half: the serving benchmark in half precision, a record of its own
+BENCHMARKS = ("waste", "throughput", "sharing", "serving", "serving-half", "overhead", "structured")
 STUDIES = ("recompute-policies", "busy-threads", "step-profile", "host-overhead", "lora",
            "compiled-decode", "speculative")   # side studies, each recorded on its own
-PAPER = ("waste", "throughput", "sharing", "serving")   # benchmarks/paper/; the others are in benchmarks/micro/
+PAPER = ("waste", "throughput", "sharing", "serving", "serving-half")   # in benchmarks/paper/, the others in micro/
 DOCS_DIR = REPO_ROOT / "docs"
 
 
@@ -86,13 +87,14 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="reproduce the paper's measurements (waste, throughput, sharing, serving, "
-                                         "overhead; structured: the cost of a JSON schema; all; the studies "
-                                         "recompute-policies, busy-threads, step-profile, host-overhead, lora, "
+                                         "serving-half, overhead; structured: the cost of a JSON schema; all; the "
+                                         "studies recompute-policies, busy-threads, step-profile, host-overhead, lora, "
                                          "compiled-decode, speculative; docs regenerates docs/benchmarks.md)",
                           description=__doc__)
     p.add_argument("benchmark", choices=BENCHMARKS + STUDIES + ("all", "docs"))
     p.add_argument("--size", default=None, help="a named size: quick, full (waste/sharing/overhead), anchor "
-                                                "(throughput/serving); default: the documented one")
+                                                "(throughput/serving), anchor-half (serving-half); default: the "
+                                                "documented one")
     p.add_argument("--quick", action="store_true", help="same as --size quick (a smoke test, seconds)")
     p.add_argument("--documented", action="store_true",
                    help="run the documented configuration, write docs/img/bench-NAME.{json,png} and regenerate "

@@ -131,13 +131,8 @@ COMMANDS: Dict[str, Run] = {
     "paged-backend bench throughput --size anchor": Run("covered", covered_by=QUICK.format("throughput")),
     "paged-backend bench throughput --quick": Run("covered", covered_by=QUICK.format("throughput")),
     "paged-backend bench sharing": Run("covered", covered_by=QUICK.format("sharing")),
-    # llama.cpp's build takes 15-30 minutes, so no test runs this size: its config (llama.cpp's systems, bfloat16)
-    # is checked there, its command parses here, and its real run is recorded by hand (docs/benchmarks.md)
-    "paged-backend bench serving --size anchor-half": Run(
-        "covered", covered_by="tests/test_llama_cpp_peer.py::"
-                              "test_the_documented_sizes_run_llama_cpp_and_the_smoke_size_never_builds_it"),
-    **{f"paged-backend bench {name} --documented": Run("covered", covered_by=QUICK.format(name))
-       for name in ("waste", "throughput", "sharing", "serving", "overhead", "structured")},
+    **{f"paged-backend bench {name} --documented": Run("covered", covered_by=QUICK.format(name.replace("-", "_")))
+       for name in ("waste", "throughput", "sharing", "serving", "serving-half", "overhead", "structured")},
     "paged-backend bench recompute-policies --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_recompute_policies_study"),
     "paged-backend bench busy-threads --documented": Run(

@@ -434,6 +434,22 @@ def test_quick_serving_benchmark(tmp_path):
     assert all(code in (0, -15) for code in result["server_exit_codes"].values())
 
 
+def test_quick_serving_half_benchmark(tmp_path):
+    """The half-precision serving record's smoke size: our server in bfloat16, every answer at its forced length;
+    the documented size names llama.cpp's bf16 and f16 peers and transformers in bfloat16."""
+    from paged_backend.benchmarks.cli import spec_of
+
+    result = _bench("serving-half", tmp_path)
+    config = result["config"]
+    assert config["dtype"] == "bfloat16" and result["order"] == [[0, "paged"]]
+    assert "--dtype" in result["servers"]["paged"]["argv"] and "bfloat16" in result["servers"]["paged"]["argv"]
+    (row,) = result["rows"]
+    assert row["requests_failed"] == 0 and row["requests_ok"] == config["min_requests"]
+    assert row["output_tokens_min"] == row["output_tokens_max"] == config["output_tokens"]
+    documented = spec_of("serving-half").config("anchor-half")
+    assert documented.dtype == "bfloat16" and {"llama.cpp", "llama.cpp-f16", "hf-serve"} <= set(documented.systems)
+
+
 def test_documented_run_records_beside_the_plot_and_regenerates_the_page(tmp_path, monkeypatch):
     import paged_backend.benchmarks.cli as bench_cli
 

@@ -107,6 +107,16 @@ def _ratio(rows: List[dict], system: str, key: str = "ratio") -> Optional[str]:
     return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if len(s["values"]) > 1 else f"{s['median']:.2f}x"
 
 
+def _serving_peer_line(record: dict) -> str:
+    """Our compiled server against each other server of a serving record, by concurrency (paired medians)."""
+    parts = []
+    for system in dict.fromkeys(r["system"] for r in record["rows"] if r["compiled_ratio"]):
+        rows = [r for r in record["rows"] if r["system"] == system and r["compiled_ratio"]]
+        parts.append(f"{system}: " +
+                     ", ".join(f"{r['concurrency']}: {r['compiled_ratio']['median']:.2f}x" for r in rows))
+    return f"| HTTP, ours compiled / each server by concurrency, {record['config']['dtype']} | {'; '.join(parts)} |"
+
+
 def render_headline(records: Dict[str, dict]) -> str:
     """The ratios the issue's targets name, each from its record (medians and ranges of paired rounds)."""
     lines = ["| measurement | this record |", "|---|---|"]
@@ -127,6 +137,7 @@ def render_headline(records: Dict[str, dict]) -> str:
         if per:
             text = ", ".join(f"{r['concurrency']}: {r['paged_ratio']['median']:.2f}x" for r in per)
             lines.append(f"| HTTP under guidellm, ours / transformers serve by concurrency | {text} |")
+    lines += [_serving_peer_line(records[name]) for name in ("serving", "serving-half") if name in records]
     w = records.get("waste")
     if w:
         shares = {f"{r['system']}/{r['allocator']}": r["memory"]["shares"]["token_states"] for r in w["runs"]}
