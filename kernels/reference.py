@@ -27,6 +27,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     check_scales(k_scale, v_scale)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     slots = slot_mapping.to(torch.long)
+    if bool((slots < 0).any()):   # padding rows (worker/cuda_graphs.py) write nothing, as in the Triton kernel
+        kept = (slots >= 0).nonzero().flatten()
+        slots, key, value = slots[kept], key[kept], value[kept]
     for cache, values, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
         entries = quantize(values, cache.dtype, scale)
         raw_bits(cache).view(num_blocks * block_size, num_kv_heads, head_size).index_copy_(0, slots, raw_bits(entries))

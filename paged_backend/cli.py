@@ -79,6 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule the next step and prepare its inputs while the model runs the current one "
                             "(vLLM's name; default: the engine's, on)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="on a CUDA device, run decode steps eagerly instead of replaying CUDA graphs (vLLM's "
+                            "name; no effect on the CPU)")
     group.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                        help="speculative decoding (vLLM's): a JSON object such as "
                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (docs/speculative.md)")
@@ -99,7 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
                 enable_prefix_caching=args.enable_prefix_caching,
                 tensor_parallel_size=args.tensor_parallel_size, compile=args.compile,
-                seed=args.seed, enable_lora=args.enable_lora,
+                enforce_eager=args.enforce_eager, seed=args.seed, enable_lora=args.enable_lora,
                 max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                 **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
                 **({} if args.speculative_config is None else {"speculative_config": args.speculative_config}))

@@ -143,12 +143,18 @@ def compile_mode(value: Union[bool, str, None]) -> str:
 class CompilationConfig:
     """`compile`: run the model forward compiled (torch.compile with inductor, per shape bucket). Off by default:
     the first compilation takes minutes of CPU (cached on disk afterwards), and compiled float32 code rounds
-    differently from transformers' eager forward (docs/compilation.md)."""
+    differently from transformers' eager forward (docs/compilation.md).
+
+    `enforce_eager` (vLLM's name): on a CUDA device, decode steps replay CUDA graphs captured per batch-size
+    bucket at start-up (worker/cuda_graphs.py) unless this is True; it has no effect on the CPU."""
 
     compile: Union[bool, str] = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.compile = compile_mode(self.compile)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
 
 
 def _positive_int(name: str, value) -> None:

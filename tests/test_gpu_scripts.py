@@ -23,7 +23,29 @@ def test_the_overlap_timing_on_the_cpu_reports_both_ways_with_the_same_tokens(mo
     rows = gpu_overlap.compare(model, (2,), steps=3, device="cpu")
     assert [r["overlap"] for r in rows] == [False, True] and all(r["same_tokens"] for r in rows), rows
     assert all(0 < r["device_ms_per_step"] and 0 < r["device_busy"] <= 1 for r in rows), rows
-    assert "| 2 | on |" in gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "rows": rows})
+    assert "| 2 | off | on |" in gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "rows": rows})
+
+
+def test_the_graph_token_check_on_the_cpu_runs_the_padded_steps(monkeypatch):
+    # no CUDA graphs here: the padded steps on the buffers (reference kernels: they skip padding rows' writes)
+    # against the plain engine, as the GPU run compares replayed ones
+    monkeypatch.setenv("PAGED_BACKEND_KERNELS", "torch")
+    model, _ = get_model("tiny-llama", torch.float32)
+    checks = gpu_overlap.check_graph_tokens(model, batches=(3,), tokens=5, device="cpu")
+    assert checks[3]["same_as_buffers_eager"] and checks[3]["sequences_same_as_plain_eager"] == 3, checks
+    report = gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "graph_tokens": {"float32": checks}})
+    assert "| 3 | yes | 3/3 |" in report
+
+
+def test_transformers_continuous_batching_baseline_runs_and_reruns(monkeypatch):
+    monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
+    model, _ = get_model("tiny-llama", torch.float32)
+    baseline = gpu_engine.HFContinuous(model)
+    work = [([5 + i, 7, 9, 11], 3 + i) for i in range(3)]
+    try:
+        assert baseline.seconds(work) > 0 and baseline.seconds(work) > 0   # the kept manager serves a second run
+    finally:
+        baseline.close()
 
 
 def test_pressure_check_on_the_cpu_preempts_and_matches(monkeypatch):

@@ -315,8 +315,9 @@ def test_a_vllm_backend_model_json_loads_unchanged():
     # the vLLM backend's sample model.json (its model swapped for an offline preset)
     opts = parse_model_options({"model": "tiny-llama", "gpu_memory_utilization": 0.5, "enforce_eager": "true",
                                 "disable_log_requests": "true"})
-    assert opts.engine == {"gpu_memory_utilization": 0.5} and opts.dtype == "auto" and opts.device == "auto"
-    assert set(opts.ignored) == {"enforce_eager", "disable_log_requests"}
+    assert opts.engine == {"gpu_memory_utilization": 0.5, "enforce_eager": True}
+    assert opts.dtype == "auto" and opts.device == "auto"
+    assert set(opts.ignored) == {"disable_log_requests"}
     vllm_names = parse_model_options({"model": "tiny-llama", "dtype": "bf16", "trust_remote_code": "true",
                                       "disable_log_stats": True, "swap_space": 2, "num_gpu_blocks_override": 40,
                                       "max_logprobs": "5", "enable_prefix_caching": "true", "block_size": "8",

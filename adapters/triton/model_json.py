@@ -107,6 +107,7 @@ _ENGINE_ARGS: Dict[str, tuple] = {
     "preemption_mode": (_optional(_preemption), "preemption_mode"),
     "kv_cache_dtype": (_kv_cache_dtype, "kv_cache_dtype"),
     "async_scheduling": (to_bool, "async_scheduling"),
+    "enforce_eager": (to_bool, "enforce_eager"),   # on CUDA: no decode CUDA graphs
     "speculative_config": (_optional(_speculative), "speculative_config"),   # vLLM's JSON object
     # this engine's own sizing options
     "num_blocks": (_optional(to_int), "num_blocks"), "kv_cache_memory": (_optional(_memory), "kv_cache_memory"),
@@ -123,7 +124,7 @@ _MODEL_ARGS: Dict[str, Callable[[str, Any], Any]] = {
 }
 # vLLM arguments with no meaning for this engine: accepted and logged once
 NO_MEANING_HERE = frozenset({
-    "enforce_eager", "max_seq_len_to_capture", "max_context_len_to_capture", "cuda_graph_sizes",
+    "max_seq_len_to_capture", "max_context_len_to_capture", "cuda_graph_sizes",
     "compilation_config", "disable_custom_all_reduce", "distributed_executor_backend", "worker_use_ray",
     "engine_use_ray", "ray_workers_use_nsight", "disable_log_requests", "enable_log_requests",
     "aggregate_engine_logging", "use_v2_block_manager", "num_scheduler_steps", "multi_step_stream_outputs",
@@ -224,7 +225,7 @@ def parse_model_options(values: Dict[str, Any]) -> ModelOptions:
         else:
             options.ignored[name] = value
     options.engine = {k: v for k, v in options.engine.items() if v is not None}
-    if options.engine.get("compile", "off") != "off" and to_bool("enforce_eager", options.ignored.get("enforce_eager", False)):
+    if options.engine.get("compile", "off") != "off" and options.engine.get("enforce_eager"):
         raise ValueError(f"{MODEL_JSON} sets both compile={options.engine['compile']!r} and enforce_eager=true; give one")
     if not options.model.strip():
         raise ValueError(f"model in {MODEL_JSON} must name a preset or a model directory")

@@ -203,26 +203,118 @@ def _hf_static_seconds(model, work: List[tuple], batch: int) -> float:
     return time.perf_counter() - start
 
 
+def hf_continuous_config(**wanted):
+    """transformers' `ContinuousBatchingConfig` with the options this transformers has (its block size was
+    `block_size` in 5.17 and is `page_size` later)."""
+    from dataclasses import fields
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    names = {f.name for f in fields(ContinuousBatchingConfig)}
+    if "block_size" in wanted and "block_size" not in names:
+        wanted["page_size"] = wanted.pop("block_size")
+    return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in names})
+
+
+class HFContinuous:
+    """transformers' continuous batching (the manager behind `generate_batch`, its CUDA graphs warmed up once and
+    kept between runs), each request forced to its length."""
+
+    def __init__(self, model, max_memory_percent: float = 0.4) -> None:
+        from transformers import GenerationConfig
+
+        self.model = model
+        self.generation = GenerationConfig(do_sample=False, max_new_tokens=256, eos_token_id=-1, pad_token_id=0)
+        self.config = hf_continuous_config(block_size=256, allow_block_sharing=False,
+                                           max_memory_percent=max_memory_percent)
+        self.warm = False
+
+    def seconds(self, work: List[tuple], timeout_s: float = 300.0) -> float:
+        """Wall time of the whole batch of requests (the manager's start and warm-up excluded)."""
+        with self.model.continuous_batching_context_manager(
+                generation_config=self.generation, continuous_batching_config=self.config, block=True, timeout=30,
+                warmup=not self.warm, persistent_manager=True) as manager:
+            self.warm = True
+            _sync()
+            start = time.perf_counter()
+            ids = [manager.add_request(list(prompt), max_new_tokens=n, eos_token_id=-1) for prompt, n in work]
+            wanted = dict(zip(ids, (n for _, n in work)))
+            done = {}
+            while len(done) < len(wanted):
+                if time.perf_counter() - start > timeout_s:
+                    raise TimeoutError(f"transformers' continuous batching not done after {timeout_s:.0f} s")
+                out = manager.get_result(timeout=1)
+                if out is not None and out.is_finished():
+                    done[out.request_id] = out
+                elif out is None and not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped")
+            _sync()
+            seconds = time.perf_counter() - start
+        short = [rid for rid, out in done.items() if len(out.generated_tokens) < wanted[rid] or out.error is not None]
+        if short:
+            raise RuntimeError(f"transformers' continuous batching returned {len(short)} short or failed requests")
+        return seconds
+
+    def close(self) -> None:
+        self.model.destroy_cached_continuous_batching_manager()
+
+
 def time_throughput(num_requests: int = 256, repetitions: int = 3, hf_batch: int = 64,
                     kv_cache_memory: str = "8GiB") -> dict:
-    """Output tokens/s of the engine and of transformers' static batches on the same requests, interleaved."""
+    """Output tokens/s of the engine (CUDA graphs, and eager), of transformers' static batches and of its
+    continuous batching on the same requests, interleaved."""
     model = llama_1b()
     work = _throughput_workload(num_requests)
     useful = sum(n for _, n in work)
-    llm = LLM(model, device=DEVICE, kv_cache_memory=kv_cache_memory, max_num_seqs=256, max_num_batched_tokens=8192)
+    options = dict(device=DEVICE, kv_cache_memory=kv_cache_memory, max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM(model, **options)
+    eager = LLM(model, enforce_eager=True, **options)
     _ours_seconds(llm, work[:8])                                   # warm-up: kernel compilation
+    _ours_seconds(eager, work[:8])
     _hf_static_seconds(model, work[:hf_batch // 8], hf_batch // 8)
-    ours, hf = [], []
+    continuous = HFContinuous(model)
+    rows: Dict[str, List[float]] = {"ours": [], "ours_eager": [], "hf_static": [], "hf_continuous": []}
+    errors = {}
+    try:
+        continuous.seconds(work[:8])                               # its warm-up (CUDA graph capture)
+    except Exception as exc:  # noqa: BLE001 - our figures still count without this baseline
+        errors["hf_continuous"] = f"{type(exc).__name__}: {exc}"
     for _ in range(repetitions):
-        ours.append(useful / _ours_seconds(llm, work))
-        hf.append(useful / _hf_static_seconds(model, work, hf_batch))
-    ratios = [o / h for o, h in zip(ours, hf)]
+        rows["ours"].append(useful / _ours_seconds(llm, work))
+        rows["ours_eager"].append(useful / _ours_seconds(eager, work))
+        rows["hf_static"].append(useful / _hf_static_seconds(model, work, hf_batch))
+        if "hf_continuous" not in errors:
+            try:
+                rows["hf_continuous"].append(useful / continuous.seconds(work))
+            except Exception as exc:  # noqa: BLE001
+                errors["hf_continuous"] = f"{type(exc).__name__}: {exc}"
+    if "hf_continuous" not in errors:
+        continuous.close()
     stats = llm.get_stats()
+
+    def ratio(base: str) -> dict:
+        values = [o / b for o, b in zip(rows["ours"], rows[base])]
+        return {"median": statistics.median(values), "range": [min(values), max(values)]} if values else {}
+
+    graphs = llm.engine.runner.graphs
     return {"model": "random Llama 1.1B (TinyLlama shape), bfloat16", "requests": num_requests,
             "useful_output_tokens": useful, "kv_cache_memory": kv_cache_memory, "hf_batch": hf_batch,
-            "ours_tok_s": ours, "hf_static_tok_s": hf, "ratio_median": statistics.median(ratios),
-            "ratio_range": [min(ratios), max(ratios)], "preemptions": stats.num_preemptions,
-            "kv_blocks": stats.num_blocks}
+            "ours_tok_s": rows["ours"], "ours_eager_tok_s": rows["ours_eager"], "hf_static_tok_s": rows["hf_static"],
+            "hf_continuous_tok_s": rows["hf_continuous"], "errors": errors,
+            "ratio_median": ratio("hf_static").get("median"), "ratio_range": ratio("hf_static").get("range"),
+            "vs_hf_continuous": ratio("hf_continuous"), "vs_ours_eager": ratio("ours_eager"),
+            "preemptions": stats.num_preemptions, "kv_blocks": stats.num_blocks,
+            "cuda_graphs": graphs.stats.as_dict() if graphs is not None else None}
+
+
+def _values(values: List[float]) -> str:
+    return ", ".join(f"{v:.0f}" for v in values) or "-"
+
+
+def _ratio(ratio: Optional[dict]) -> str:
+    if not ratio:
+        return "-"
+    return f"{ratio['median']:.2f}x ({ratio['range'][0]:.2f}-{ratio['range'][1]:.2f})"
 
 
 def report_markdown(result: dict) -> str:
@@ -251,12 +343,15 @@ def report_markdown(result: dict) -> str:
     if tp and "error" not in tp:
         lines += ["", f"## Throughput: {tp['model']}, {tp['requests']} requests", "",
                   "| system | output tok/s (per repetition) |", "| --- | --- |",
-                  f"| paged-backend | {', '.join(f'{v:.0f}' for v in tp['ours_tok_s'])} |",
-                  f"| transformers generate, static batches of {tp['hf_batch']} | "
-                  f"{', '.join(f'{v:.0f}' for v in tp['hf_static_tok_s'])} |", "",
-                  f"Ratio (median of interleaved repetitions): {tp['ratio_median']:.2f}x "
-                  f"(range {tp['ratio_range'][0]:.2f}-{tp['ratio_range'][1]:.2f}); {tp['preemptions']} preemptions, "
-                  f"{tp['kv_blocks']} KV blocks."]
+                  f"| paged-backend (CUDA graphs) | {_values(tp['ours_tok_s'])} |",
+                  f"| paged-backend, enforce_eager | {_values(tp.get('ours_eager_tok_s', []))} |",
+                  f"| transformers generate, static batches of {tp['hf_batch']} | {_values(tp['hf_static_tok_s'])} |",
+                  f"| transformers continuous batching | {_values(tp.get('hf_continuous_tok_s', []))} |", "",
+                  f"Ours / static batches (median of interleaved repetitions): {tp['ratio_median']:.2f}x "
+                  f"(range {tp['ratio_range'][0]:.2f}-{tp['ratio_range'][1]:.2f}); "
+                  f"/ continuous batching: {_ratio(tp.get('vs_hf_continuous'))}; / ours eager: "
+                  f"{_ratio(tp.get('vs_ours_eager'))}; {tp['preemptions']} preemptions, {tp['kv_blocks']} KV blocks; "
+                  f"errors: {tp.get('errors') or 'none'}; CUDA graphs: {tp.get('cuda_graphs')}."]
     elif tp:
         lines += ["", f"## Throughput: FAILED: {tp['error']}"]
     return "\n".join(lines) + "\n"

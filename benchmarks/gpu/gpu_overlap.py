@@ -1,11 +1,14 @@
-"""The engine's own time on a CUDA GPU, with and without overlapped scheduling (issue 22).
+"""The engine's own time on a CUDA GPU, with and without overlapped scheduling and CUDA graphs (issue 22).
 
 Run on a CUDA machine: `python -m paged_backend.benchmarks.gpu.gpu_overlap --output DIR`. On the random-weight
 1.1B Llama of gpu_engine (bfloat16), for 1, 64 and 256 greedy sequences with 32-token prompts, it times decode
-steps with `async_scheduling` off and on: the wall time per step, the device time of each forward and its draws
-(CUDA events recorded around the runner, in the thread that runs it) and so the share of the step the device is
-busy; the greedy tokens of both runs must be equal. Importable without a GPU; `main` refuses to run without one.
-Writes `gpu_overlap.json` and `gpu_overlap.md`. CUDA graphs are not implemented: every step runs eagerly.
+steps with `async_scheduling` off and on, eagerly and with CUDA graphs: the wall time per step, the device time of
+each forward (CUDA events recorded around the runner, in the thread that runs it) and so the share of the step the
+device is busy; with the same graph setting, the greedy tokens with and without overlap must be equal. Then the
+graph check: greedy tokens of decode batches that need padding (3, 37 and 100 sequences of mixed prompt lengths)
+replayed from CUDA graphs must equal the same padded steps run eagerly on the same buffers, and are compared with
+the plain eager engine (`enforce_eager`), in float32 (tiny-llama, TF32 off) and bfloat16 (the 1.1B model).
+Importable without a GPU; `main` refuses to run without one. Writes `gpu_overlap.json` and `gpu_overlap.md`.
 """
 
 from __future__ import annotations
@@ -63,12 +66,14 @@ class TimedRunner:
         self.runner.shutdown()
 
 
-def measure(model, batch: int, overlap: bool, steps: int, device: str) -> dict:
+def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: bool = False) -> dict:
     """Decode steps of `batch` greedy sequences: wall and device time per step, and the tokens."""
     vocab = model.config.vocab_size
     prompts = gpu_engine._prompts([PROMPT_TOKENS] * batch, vocab, seed=batch)
     engine = LLMEngine(model, device=device, num_blocks=batch * 8 + 16, block_size=16, max_num_seqs=max(256, batch),
-                       max_num_batched_tokens=max(2048, batch * PROMPT_TOKENS), async_scheduling=overlap)
+                       max_num_batched_tokens=max(2048, batch * PROMPT_TOKENS), async_scheduling=overlap,
+                       enforce_eager=not graphs)
+    captured = engine.runner.graphs is not None and engine.runner.graphs.stats.error is None
     timed = engine.runner = TimedRunner(engine.runner, device)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
@@ -88,28 +93,101 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str) -> dict:
             if out.finished:
                 finals[out.request_id] = list(out.outputs[0].token_ids)
     engine.shutdown()
-    return {"batch": batch, "overlap": overlap, "step_ms": wall_ms / steps, "device_ms_per_step": device_ms / steps,
-            "device_busy": min(1.0, device_ms / wall_ms), "tokens": [finals[str(i)] for i in range(batch)]}
+    return {"batch": batch, "overlap": overlap, "graphs": captured, "step_ms": wall_ms / steps,
+            "device_ms_per_step": device_ms / steps, "device_busy": min(1.0, device_ms / wall_ms),
+            "tokens": [finals[str(i)] for i in range(batch)]}
 
 
-def compare(model, batches: Sequence[int], steps: int, device: str) -> List[dict]:
+def compare(model, batches: Sequence[int], steps: int, device: str, graphs: Sequence[bool] = (False,)) -> List[dict]:
+    """Per batch and graph setting, overlap off then on (same tokens required); `eager_tokens` says whether the
+    graph runs' tokens equal the eager ones."""
     rows = []
     for batch in batches:
-        off, on = measure(model, batch, False, steps, device), measure(model, batch, True, steps, device)
-        same = off.pop("tokens") == on.pop("tokens")
-        rows += [dict(off, same_tokens=same), dict(on, same_tokens=same)]
-        print(rows[-2], rows[-1], flush=True)
+        eager_tokens = None
+        for graph in graphs:
+            off = measure(model, batch, False, steps, device, graph)
+            on = measure(model, batch, True, steps, device, graph)
+            tokens = off.pop("tokens")
+            same = tokens == on.pop("tokens")
+            if eager_tokens is None:
+                eager_tokens = tokens
+            as_eager = tokens == eager_tokens
+            rows += [dict(off, same_tokens=same, same_as_eager=as_eager), dict(on, same_tokens=same,
+                                                                              same_as_eager=as_eager)]
+            print(rows[-2], rows[-1], flush=True)
     return rows
 
 
+def _greedy(engine: LLMEngine, prompts: List[List[int]], tokens: int) -> List[List[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = list(out.outputs[0].token_ids)
+    return [finals[str(i)] for i in range(len(prompts))]
+
+
+def check_graph_tokens(model, batches: Sequence[int] = (3, 37, 100), tokens: int = 24, device: str = "cuda") -> dict:
+    """Greedy tokens of padded decode batches: CUDA graphs, the same padded steps run eagerly on the buffers
+    (must be equal), and the plain eager engine (reported)."""
+    from paged_backend.engine.llm_engine import LLMEngine as EngineClass
+    from paged_backend.worker.cuda_graphs import GraphConfig
+
+    results = {}
+    for batch in batches:
+        lengths = [5 + (37 * i) % 90 for i in range(batch)]
+        prompts = gpu_engine._prompts(lengths, model.config.vocab_size, seed=batch)
+        options = dict(device=device, num_blocks=batch * 10 + 16, block_size=16, max_num_seqs=128,
+                       max_num_batched_tokens=4096)
+        graphs_engine = LLMEngine(model, **options)
+        captured = graphs_engine.runner.graphs.stats.as_dict() if graphs_engine.runner.graphs else None
+        replayed = _greedy(graphs_engine, prompts, tokens)
+        real = EngineClass._decode_graphs
+        EngineClass._decode_graphs = lambda self, lora: GraphConfig(self.config.scheduler.max_num_seqs,
+                                                                     self.max_model_len, capture=False)
+        try:
+            buffers = _greedy(LLMEngine(model, **options), prompts, tokens)
+        finally:
+            EngineClass._decode_graphs = real
+        eager = _greedy(LLMEngine(model, enforce_eager=True, **options), prompts, tokens)
+        results[batch] = {"graphs": captured, "same_as_buffers_eager": replayed == buffers,
+                          "sequences_same_as_plain_eager": sum(a == b for a, b in zip(replayed, eager)),
+                          "sequences": batch, "replays": graphs_engine.runner.graphs.stats.replays
+                          if graphs_engine.runner.graphs else 0}
+        print(f"graph tokens, batch {batch}: {results[batch]}", flush=True)
+    return results
+
+
+def _guarded(check, *args) -> dict:
+    try:
+        return check(*args)
+    except Exception as exc:  # noqa: BLE001 - one dtype's failure must not hide the other's
+        return {"all": {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}}
+
+
 def report_markdown(result: dict) -> str:
-    lines = [f"# Overlapped scheduling on {result['device']}", "", result["model"], "",
-             "| sequences | overlap | step ms | device ms per step | device busy | same greedy tokens |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [f"# Overlapped scheduling and CUDA graphs on {result['device']}", "", result["model"], "",
+             "| sequences | CUDA graphs | overlap | step ms | device ms per step | device busy | same tokens, overlap "
+             "on/off | same tokens as eager |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result.get("rows", []):
-        lines.append(f"| {r['batch']} | {'on' if r['overlap'] else 'off'} | {r['step_ms']:.2f} | "
-                     f"{r['device_ms_per_step']:.2f} | {100 * r['device_busy']:.0f}% | "
-                     f"{'yes' if r['same_tokens'] else 'NO'} |")
+        lines.append(f"| {r['batch']} | {'on' if r.get('graphs') else 'off'} | {'on' if r['overlap'] else 'off'} | "
+                     f"{r['step_ms']:.2f} | {r['device_ms_per_step']:.2f} | {100 * r['device_busy']:.0f}% | "
+                     f"{'yes' if r['same_tokens'] else 'NO'} | {'yes' if r.get('same_as_eager', True) else 'no'} |")
+    for dtype, checks in result.get("graph_tokens", {}).items():
+        lines += ["", f"## CUDA graph replay, padded decode batches, {dtype}", "",
+                  "| sequences | same as the padded steps run eagerly | same as the plain eager engine | replays | "
+                  "capture |", "| --- | --- | --- | --- | --- |"]
+        for batch, row in checks.items():
+            if "error" in row:
+                lines.append(f"| {batch} | FAILED: {row['error']} | | | |")
+                continue
+            graphs = row["graphs"] or {}
+            lines.append(f"| {batch} | {'yes' if row['same_as_buffers_eager'] else 'NO'} | "
+                         f"{row['sequences_same_as_plain_eager']}/{row['sequences']} | {row['replays']} | "
+                         f"{len(graphs.get('buckets', []))} buckets in {graphs.get('seconds') or 0:.1f} s"
+                         f"{', error: ' + graphs['error'] if graphs.get('error') else ''} |")
     if "error" in result:
         lines += ["", f"FAILED: {result['error']}"]
     return "\n".join(lines) + "\n"
@@ -126,7 +204,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = {"conditions": conditions(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "model": "random Llama 1.1B (TinyLlama shape), bfloat16; greedy, 32-token prompts"}
     try:
-        result["rows"] = compare(gpu_engine.llama_1b(), BATCHES, args.steps, "cuda")
+        model = gpu_engine.llama_1b()
+        result["rows"] = compare(model, BATCHES, args.steps, "cuda", graphs=(False, True))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        from paged_backend.worker.loader import load_model
+
+        tiny, _ = load_model("tiny-llama", dtype=torch.float32, device="cuda")
+        result["graph_tokens"] = {"float32 tiny-llama": _guarded(check_graph_tokens, tiny),
+                                  "bfloat16 1.1B": _guarded(check_graph_tokens, model)}
     except Exception as exc:  # noqa: BLE001 - recorded, so the session's other parts still report
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -139,7 +224,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (folder / "gpu_overlap.json").write_text(json.dumps(result, indent=2))
         (folder / "gpu_overlap.md").write_text(report)
     rows = result.get("rows", [])
-    return 0 if rows and all(r["same_tokens"] for r in rows) else 1
+    graph_checks = [row for checks in result.get("graph_tokens", {}).values() for row in checks.values()]
+    graphs_ok = bool(graph_checks) and all(row.get("same_as_buffers_eager") for row in graph_checks)
+    return 0 if rows and all(r["same_tokens"] for r in rows) and graphs_ok else 1
 
 
 if __name__ == "__main__":

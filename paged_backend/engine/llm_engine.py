@@ -22,6 +22,7 @@ from paged_backend.worker.loader import check_module_dtype
 from paged_backend.engine.metrics import Counters, EngineStats, cache_config_info, observe_phases
 from paged_backend.worker.lora_layers import LoRALayers
 from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.cuda_graphs import GraphConfig
 from paged_backend.worker.model_support import check_model_supported, uniform_window
 from paged_backend.engine.output_builder import OutputBuilder
 from paged_backend.engine.outputs import RequestOutput
@@ -168,7 +169,15 @@ class LLMEngine(StepLoop):
                             kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype), self.device)
         lora = self.config.lora
         layers = LoRALayers(self.model, lora.max_loras, lora.max_lora_rank) if self.loras is not None else None
-        return ModelRunner(self.model, cache, layers, compile=self.config.compilation.compile)
+        return ModelRunner(self.model, cache, layers, compile=self.config.compilation.compile,
+                           graphs=self._decode_graphs(layers is not None))
+
+    def _decode_graphs(self, lora: bool) -> Optional[GraphConfig]:
+        """CUDA graphs for decode steps: on a CUDA device unless `enforce_eager`, compile or LoRA says otherwise."""
+        compilation = self.config.compilation
+        if self.device.type != "cuda" or compilation.enforce_eager or compilation.compile != "off" or lora:
+            return None
+        return GraphConfig(self.config.scheduler.max_num_seqs, self.max_model_len)
 
     def _make_speculator(self) -> Optional[Speculator]:
         """The proposer, policy and verifier of speculative decoding (`speculative_config`), or None."""

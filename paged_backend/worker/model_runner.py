@@ -19,6 +19,7 @@ from paged_backend.worker.attention import ATTENTION_NAME, AttentionMetadata, at
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.config import compile_mode
 from paged_backend.worker.compiled_forward import CompiledForward, eager_forward
+from paged_backend.worker.cuda_graphs import DecodeGraphs, GraphConfig
 from paged_backend.worker.huge_pages import HugePageWeights, move_weights_to_huge_pages
 from paged_backend.worker.trace_exclusion import TRACE_EXCLUSION
 from paged_backend.worker.lora_layers import LoRALayers
@@ -66,7 +67,8 @@ class ModelRunner:
     """Runs steps of one model over its paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine, lora: Optional[LoRALayers] = None,
-                 compile: object = False) -> None:
+                 compile: object = False, graphs: Optional[GraphConfig] = None) -> None:
+        """`graphs`: replay decode steps from buckets of static buffers (CUDA graphs on CUDA; see cuda_graphs.py)."""
         check_model_supported(model)
         self.lora = lora
         register_attention()
@@ -85,11 +87,23 @@ class ModelRunner:
         if compile_mode(compile) != "off":
             self.compiled = self.forward = CompiledForward(model, cache_engine, compile_mode(compile),
                                                            self._paged_attention)
+        self.graphs: Optional[DecodeGraphs] = None
+        if graphs is not None:
+            if self.compiled is not None or lora is not None:
+                raise ValueError("decode graphs cannot run with compile or LoRA (their steps choose code per step)")
+            self.graphs = DecodeGraphs(self.forward, cache_engine, self.layer_of, graphs, self._step_context)
 
     def _paged_attention(self):
         """Our attention function as the model's implementation while a step or a compilation (which may run in
         another thread, for tens of seconds) uses it (`paged_attention_on`)."""
         return paged_attention_on(self.model.config)
+
+    @contextmanager
+    def _step_context(self) -> Iterator[None]:
+        """What every forward of a step runs in (no_grad, not inference_mode: the logits leave the runner and the
+        sampler edits them in place, which inference tensors forbid outside inference mode)."""
+        with torch.no_grad(), self._paged_attention(), TRACE_EXCLUSION.forward():
+            yield
 
     def execute(self, inputs: StepInputs, on_launched: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`. `on_launched` runs when
@@ -105,16 +119,19 @@ class ModelRunner:
             if queued_on_device:
                 on_launched()
             return torch.empty(0, 0)
+        bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
+        if bucket is not None:   # a decode step: one graph replay (the host inputs copied into its buffers)
+            logits = self.graphs.run(inputs, bucket)
+            if queued_on_device:
+                on_launched()
+            return logits
         lora_plan = self._lora_plan(inputs)
         inputs = inputs.to(self.device)
         metadata = AttentionMetadata(
             slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, context_lens=inputs.context_lens,
             query_start_loc=inputs.query_start_loc, block_size=self.cache_engine.block_size,
             kv_caches=self.cache_engine.kv_caches, layer_of=self.layer_of, kv_scales=self.cache_engine.kv_scales)
-        # no_grad, not inference_mode: the logits leave the runner and the sampler edits them in place, which
-        # inference tensors forbid outside inference mode.
-        with torch.no_grad(), attention_context(metadata), self._paged_attention(), self._lora_step(lora_plan), \
-                TRACE_EXCLUSION.forward():
+        with self._step_context(), attention_context(metadata), self._lora_step(lora_plan):
             logits = self.forward(inputs.input_ids, inputs.positions, inputs.sample_indices)
         if queued_on_device:
             on_launched()
