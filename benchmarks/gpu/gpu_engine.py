@@ -368,6 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", help="folder for gpu_engine.json and gpu_engine.md")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--presets", default=",".join(TINY_PRESETS), help="tiny presets of the fidelity check")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_engine needs a CUDA GPU (none found); nothing was run.", file=sys.stderr)
@@ -375,7 +376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     result = {"conditions": conditions(), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    result["fidelity"] = check_fidelity()
+    result["fidelity"] = check_fidelity([p for p in args.presets.split(",") if p])
     result["pressure"] = {mode: _guarded(check_pressure, mode) for mode in ("swap", "recompute")}
     print(f"pressure: {result['pressure']}", flush=True)
     if not args.skip_throughput:

@@ -23,9 +23,9 @@ python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0
 "triton", triton.__version__, "transformers", transformers.__version__)'
 status=0
 parts=" ${GPU_PARTS:-engine overlap kernels} "
-[[ $parts == *" engine "* ]] && { timeout "${ENGINE_TIMEOUT:-270}" python3 -m paged_backend.benchmarks.gpu.gpu_engine --output "$out" 2>&1 \
+[[ $parts == *" engine "* ]] && { timeout "${ENGINE_TIMEOUT:-270}" python3 -m paged_backend.benchmarks.gpu.gpu_engine --output "$out" ${ENGINE_ARGS:-} 2>&1 \
     | grep -v Warning | tee "$out/gpu_engine.log" || status=1; }
-[[ $parts == *" overlap "* ]] && { timeout "${OVERLAP_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_overlap --output "$out" 2>&1 \
+[[ $parts == *" overlap "* ]] && { timeout "${OVERLAP_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_overlap --output "$out" ${OVERLAP_ARGS:-} 2>&1 \
     | grep -v Warning | tee "$out/gpu_overlap.log" || status=1; }
 [[ $parts == *" kernels "* ]] && { timeout "${KERNELS_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_kernels \
     --output "$out/kernels_gpu.md" --kv-cache-dtype float8_e4m3fn 2>&1 | tee "$out/gpu_kernels.log" || status=1; }

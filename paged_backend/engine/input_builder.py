@@ -31,7 +31,7 @@ class TokenFill:
         if tokens is None:
             input_ids[self.positions] = 0
         else:
-            input_ids[self.positions] = tokens.to(input_ids.device)[self.rows.to(tokens.device)]
+            input_ids[self.positions] = tokens[self.rows.to(tokens.device)].to(input_ids.device)
 
 
 def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, List[int]],
