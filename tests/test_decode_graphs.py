@@ -42,6 +42,19 @@ def test_capture_needs_cuda():
         DecodeGraphs(engine.runner.forward, engine.runner.cache_engine, {}, GraphConfig(4, 64), lambda: None)
 
 
+def test_capture_needs_the_triton_kernels(monkeypatch):
+    # the reference kernels check and plan each step on the host (a capture would fail on the first sync):
+    # the engine says so and runs its decode steps eagerly (the device is a stand-in: nothing is allocated)
+    from types import SimpleNamespace
+
+    from paged_backend.worker.cuda_graphs import DecodeGraphs
+    monkeypatch.setenv("PAGED_BACKEND_KERNELS", "torch")
+    cache = SimpleNamespace(kv=SimpleNamespace(device=torch.device("cuda")), block_size=16)
+    graphs = DecodeGraphs(lambda *a: None, cache, {}, GraphConfig(4, 64), lambda: None)
+    assert "need the Triton kernels" in graphs.stats.error and "'torch'" in graphs.stats.error
+    assert graphs.bucket_for(_decode_inputs(2)) is None
+
+
 def _engine(monkeypatch, graphs: bool, **options) -> LLMEngine:
     model, tokenizer = get_model("tiny-llama", torch.float64)
     if graphs:

@@ -67,3 +67,37 @@ def test_a_failed_request_fails_the_pressure_check(monkeypatch):
     monkeypatch.setattr(gpu_engine, "_pressure_workload", with_a_bad_processor)
     row = gpu_engine.check_pressure("recompute")
     assert not row["same"] and row["num_errors"] == 2 and "ZeroDivisionError" in row["errors"][0], row
+
+
+def test_a_failed_request_fails_the_throughput_timing(monkeypatch):
+    # the GPU run of 2026-12-04 counted the tokens of failed requests as produced: the timing now refuses them
+    import pytest
+
+    from paged_backend import LLM, SamplingParams
+    model, tokenizer = get_model("tiny-llama", torch.float32)
+    llm = LLM(model, tokenizer=tokenizer, num_blocks=32)
+    failing = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logits_processors=[lambda ids, x: 1 / 0])
+    outputs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                                  failing], use_tqdm=False)
+    gpu_engine.check_complete(outputs[:1], [4])
+    with pytest.raises(RuntimeError, match="1 of 2 requests failed or came back short.*ZeroDivisionError"):
+        gpu_engine.check_complete(outputs, [4, 4])
+    with pytest.raises(RuntimeError, match="came back short"):
+        gpu_engine.check_complete(outputs[:1], [5])
+
+
+def test_the_session_script_lays_out_the_package_and_reaches_each_part(tmp_path):
+    # without CUDA each part refuses with its own message: the script found and started every module it names
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, GPU_PARTS="engine overlap", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               ENGINE_ARGS="--presets tiny-llama", OVERLAP_ARGS="--steps 2")
+    done = subprocess.run(["bash", "benchmarks/gpu/gpu_session.sh", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    for part in ("gpu_engine", "gpu_overlap"):
+        assert f"{part} needs a CUDA GPU" in (tmp_path / f"{part}.log").read_text()

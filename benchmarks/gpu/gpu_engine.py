@@ -175,13 +175,24 @@ def _throughput_workload(num: int, seed: int = 0) -> List[tuple]:
             for _ in range(num)]
 
 
+def check_complete(outputs, lengths: Sequence[int]) -> None:
+    """RuntimeError unless every request came back whole: a failed request's missing tokens would otherwise be
+    counted as produced (the 2026-12-04 GPU run's first throughput figures were)."""
+    bad = [o for o, n in zip(outputs, lengths) if o.error or len(o.outputs[0].token_ids) != n]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(lengths)} requests failed or came back short; the first: "
+                           f"{bad[0].error or len(bad[0].outputs[0].token_ids)}")
+
+
 def _ours_seconds(llm: LLM, work: List[tuple]) -> float:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     _sync()
     start = time.perf_counter()
-    llm.generate([p for p, _ in work], params, use_tqdm=False)
+    outputs = llm.generate([p for p, _ in work], params, use_tqdm=False)
     _sync()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    check_complete(outputs, [n for _, n in work])
+    return seconds
 
 
 def _hf_static_seconds(model, work: List[tuple], batch: int) -> float:

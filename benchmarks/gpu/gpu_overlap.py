@@ -87,12 +87,16 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: b
     gpu_engine._sync()
     wall_ms = 1000 * (time.perf_counter() - start)
     device_ms = timed.device_ms(first)
-    finals = {}
+    finals, errors = {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = list(out.outputs[0].token_ids)
+                if out.error:
+                    errors.append(out.error)
     engine.shutdown()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {batch} requests failed; the first: {errors[0]}")
     return {"batch": batch, "overlap": overlap, "graphs": captured, "step_ms": wall_ms / steps,
             "device_ms_per_step": device_ms / steps, "device_busy": min(1.0, device_ms / wall_ms),
             "tokens": [finals[str(i)] for i in range(batch)]}
@@ -125,6 +129,8 @@ def _greedy(engine: LLMEngine, prompts: List[List[int]], tokens: int) -> List[Li
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
+                if out.error:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 finals[out.request_id] = list(out.outputs[0].token_ids)
     return [finals[str(i)] for i in range(len(prompts))]
 

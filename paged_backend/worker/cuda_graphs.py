@@ -26,6 +26,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
+from paged_backend.kernels import kernel_backend
 from paged_backend.worker.attention import AttentionMetadata, attention_context
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.step_inputs import StepInputs
@@ -82,6 +83,14 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {device}")
         self.forward = forward
         self.step_context = step_context
+        self.stats = GraphStats(capture)
+        if capture:
+            backend = kernel_backend(cache_engine.kv)
+            if backend != "triton":   # the other kernels check and plan each step on the host: not capturable
+                self.stats.error = (f"CUDA graphs need the Triton kernels; the attention kernels here are "
+                                    f"{backend!r} (PAGED_BACKEND_KERNELS): decode steps run eagerly")
+                logger.warning(self.stats.error)
+                return
         self.block_size = cache_engine.block_size
         self.max_blocks = -(-config.max_model_len // self.block_size)
         self.buckets = sorted(config.buckets) if config.buckets else graph_buckets(config.max_num_seqs)
@@ -100,7 +109,6 @@ class DecodeGraphs:
             layer_of=layer_of, kv_scales=cache_engine.kv_scales) for b in self.buckets}
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
-        self.stats = GraphStats(capture)
         if capture:
             self._capture_all()
         else:
