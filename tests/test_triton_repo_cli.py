@@ -39,6 +39,7 @@ NON_DEFAULT = {
     "max_lora_rank": ["--enable-lora", "--max-lora-rank", "64"],
     "max_cpu_loras": ["--enable-lora", "--max-cpu-loras", "5"],
     "async_scheduling": ["--no-async-scheduling"],
+    "enforce_eager": ["--enforce-eager"],
     "speculative_config": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
 }
 KIND_NAMES = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_MODEL": "MODEL"}
