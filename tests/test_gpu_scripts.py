@@ -101,3 +101,14 @@ def test_the_session_script_lays_out_the_package_and_reaches_each_part(tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     for part in ("gpu_engine", "gpu_overlap"):
         assert f"{part} needs a CUDA GPU" in (tmp_path / f"{part}.log").read_text()
+
+
+def test_the_feature_check_on_the_cpu_compares_both_engines(monkeypatch):
+    # on a GPU it compares CUDA graphs with overlap against eager steps without it; here both engines are eager,
+    # so this checks the workload (every feature accepted, structured outputs included) and the comparison
+    result = gpu_engine.check_features(device="cpu")
+    assert result["same"] and result["structured"], result
+    assert set(result["rows"]) >= {"penalties", "bias", "allowed", "min_tokens", "logprobs", "seeded", "beams",
+                                   "json", "ngram_speculation"}
+    report = gpu_engine.report_markdown({"device": "cpu", "features": result, "fidelity": {}, "pressure": {}})
+    assert "| json | yes |" in report and "Structured outputs checked" in report

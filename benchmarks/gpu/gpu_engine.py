@@ -155,6 +155,74 @@ def check_pressure(mode: str) -> dict:
             "blocks": stats.num_blocks}
 
 
+def _feature_workload(vocab: int, with_structured: bool) -> List[tuple]:
+    """Requests that each take a path of their own on the device: penalties, biases, allowed and banned tokens,
+    min_tokens, logprobs, seeded top-k / min-p sampling with n > 1, beams with a length penalty, and (when
+    xgrammar is installed) a JSON schema."""
+    rng = random.Random(11)
+    prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]   # noqa: E731
+    common = dict(max_tokens=20, ignore_eos=True)
+    work = [
+        ("penalties", prompt(17), SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
+                                                 frequency_penalty=0.4, **common)),
+        ("bias", prompt(9), SamplingParams(temperature=0, logit_bias={5: 4.0, 6: -100.0}, **common)),
+        ("allowed", prompt(12), SamplingParams(temperature=0, allowed_token_ids=list(range(3, 40)), **common)),
+        ("min_tokens", prompt(7), SamplingParams(temperature=0, min_tokens=10, max_tokens=20)),
+        ("logprobs", prompt(21), SamplingParams(temperature=0, logprobs=3, **common)),
+        ("seeded", prompt(15), SamplingParams(n=2, temperature=0.9, top_k=20, min_p=0.05, seed=3, **common)),
+        ("beams", prompt(11), SamplingParams(beam_width=3, n=2, temperature=0, length_penalty=0.8, max_tokens=12,
+                                             ignore_eos=True)),
+    ]
+    if with_structured:
+        from paged_backend.structured.params import StructuredOutputsParams
+
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        work.append(("json", prompt(6), SamplingParams(temperature=0, max_tokens=24, structured_outputs=
+                                                       StructuredOutputsParams(json=schema,
+                                                                               disable_any_whitespace=True))))
+    return work
+
+
+def check_features(device: Optional[str] = None) -> dict:
+    """The feature workload on the device's default engine (CUDA graphs, overlapped steps) against an eager
+    engine without overlap on the same device and weights (float32, TF32 off): every output the same, no request
+    failed; then greedy requests with n-gram speculative decoding against the same requests without it."""
+    device = device or DEVICE
+    try:
+        import xgrammar  # noqa: F401
+        structured = True
+    except ImportError:
+        structured = False
+    model, tokenizer = load_model("tiny-llama", dtype=torch.float32, device=device)
+    work = _feature_workload(model.config.vocab_size, structured)
+
+    def outputs(**options):
+        llm = LLM(model, tokenizer=tokenizer, device=device, num_blocks=256, **options)
+        got = llm.generate([p for _, p, _ in work], [params for _, _, params in work], use_tqdm=False)
+        graphs = llm.engine.runner.graphs
+        return got, (graphs.stats.replays if graphs is not None else 0)
+
+    fast, replays = outputs()
+    plain, _ = outputs(enforce_eager=True, async_scheduling=False)
+    rows = {}
+    for (name, _, _), a, b in zip(work, fast, plain):
+        same = [(list(x.token_ids), x.logprobs) for x in a.outputs] == [(list(x.token_ids), x.logprobs)
+                                                                        for x in b.outputs]
+        rows[name] = {"same": same and not a.error and not b.error, "error": a.error or b.error}
+    greedy = [([5 + i, 9, 14, 5 + i, 9, 14, 5 + i, 9], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+              for i in range(4)]
+    spec = LLM(model, tokenizer=tokenizer, device=device, num_blocks=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    base = LLM(model, tokenizer=tokenizer, device=device, num_blocks=256)
+    a = spec.generate([p for p, _ in greedy], [q for _, q in greedy], use_tqdm=False)
+    b = base.generate([p for p, _ in greedy], [q for _, q in greedy], use_tqdm=False)
+    rows["ngram_speculation"] = {"same": [list(o.outputs[0].token_ids) for o in a] ==
+                                 [list(o.outputs[0].token_ids) for o in b] and not any(o.error for o in a + b),
+                                 "error": next((o.error for o in a + b if o.error), None)}
+    return {"same": all(r["same"] for r in rows.values()), "rows": rows, "structured": structured,
+            "graph_replays": replays}
+
+
 # ---- throughput --------------------------------------------------------------------------------------------
 def llama_1b(vocab: int = 32000):
     """A random-weight Llama-like model of about 1.1B parameters (TinyLlama's shape), bfloat16 on the GPU."""
@@ -341,6 +409,16 @@ def report_markdown(result: dict) -> str:
                      f"transformers' eager attention {'matches' if row['hf_eager_same_as_hf'] else 'differs from'} "
                      f"its {row['hf_attention']}")
         lines.append(f"| {name} | {'yes' if row['same'] else 'NO'} | {note} |")
+    features = result.get("features")
+    if features:
+        lines += ["", "## Features: default engine (CUDA graphs, overlap) against eager without overlap, same device",
+                  "", "| request | same outputs | error |", "| --- | --- | --- |"]
+        for name, row in features.get("rows", {}).items():
+            lines.append(f"| {name} | {'yes' if row['same'] else 'NO'} | {row.get('error') or ''} |")
+        if "rows" not in features:
+            lines.append(f"| all | NO | {features.get('error')} |")
+        lines += ["", f"Structured outputs {'checked' if features.get('structured') else 'not checked (no xgrammar)'}"
+                      f"; decode steps replayed from CUDA graphs: {features.get('graph_replays', 0)}."]
     lines += ["", "## Mixed requests under memory pressure (20 blocks of 16) against each request alone", "",
               "| preemption | same outputs | preemptions | free blocks after |", "| --- | --- | --- | --- |"]
     for mode, row in result.get("pressure", {}).items():
@@ -388,6 +466,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     result = {"conditions": conditions(), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     result["fidelity"] = check_fidelity([p for p in args.presets.split(",") if p])
+    result["features"] = _guarded(check_features)
+    print(f"features: {result['features']}", flush=True)
     result["pressure"] = {mode: _guarded(check_pressure, mode) for mode in ("swap", "recompute")}
     print(f"pressure: {result['pressure']}", flush=True)
     if not args.skip_throughput:
@@ -403,6 +483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (folder / "gpu_engine.md").write_text(report)
     failed = [n for n, r in result["fidelity"].items() if not r["same"]]
     failed += [m for m, r in result["pressure"].items() if not r["same"]]
+    failed += [] if result["features"]["same"] else ["features"]
     return 1 if failed or "error" in result.get("throughput", {}) else 0
 
 

@@ -5,6 +5,12 @@
 # package is laid out from the working tree as pyproject maps it).
 # Needs the smollm2 tokenizer (the tiny presets use it) under $PAGED_BACKEND_CACHE/v1/smollm2-tokenizer.
 # Usage: benchmarks/gpu/gpu_session.sh OUTPUT_DIR      (each part has its own time limit; GPU_PARTS="engine" runs one)
+# Wheels in .whl/ (carried to the machine) are installed beside the package first: the machine has no xgrammar,
+# which the engine part's structured-output request needs (it is skipped, and says so, without). Fetched here by:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5
 set -u -o pipefail
 out=${1:?usage: benchmarks/gpu/gpu_session.sh OUTPUT_DIR}
 mkdir -p "$out"
@@ -15,6 +21,10 @@ site=$(mktemp -d)
 mkdir -p "$site/paged_backend"
 cp -r paged_backend/. "$site/paged_backend/"
 for sub in adapters kernels benchmarks; do cp -r "$sub" "$site/paged_backend/$sub"; done
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
+        || echo "installing the carried wheels failed; going on without them"
+fi
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export PAGED_BACKEND_CACHE=${PAGED_BACKEND_CACHE:-$PWD/.gpu/cache}
 cd "$site"   # not the checkout: `python -m` puts the current folder first on the path
