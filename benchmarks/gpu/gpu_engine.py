@@ -29,6 +29,7 @@ from paged_backend.kernels import kernel_backend
 from paged_backend.worker.loader import TINY_PRESETS, load_model
 
 from paged_backend.benchmarks.harness.provenance import load_average
+from paged_backend.benchmarks.paper.hf_baselines import collect_finished
 from paged_backend.benchmarks.harness.report import conditions, now
 
 DEVICE = "cuda"   # a CPU smoke run of the script sets "cpu"
@@ -318,15 +319,7 @@ class HFContinuous:
             start = time.perf_counter()
             ids = [manager.add_request(list(prompt), max_new_tokens=n, eos_token_id=-1) for prompt, n in work]
             wanted = dict(zip(ids, (n for _, n in work)))
-            done = {}
-            while len(done) < len(wanted):
-                if time.perf_counter() - start > timeout_s:
-                    raise TimeoutError(f"transformers' continuous batching not done after {timeout_s:.0f} s")
-                out = manager.get_result(timeout=1)
-                if out is not None and out.is_finished():
-                    done[out.request_id] = out
-                elif out is None and not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching loop stopped")
+            done = collect_finished(manager, len(wanted), start, timeout_s)
             _sync()
             seconds = time.perf_counter() - start
         short = [rid for rid, out in done.items() if len(out.generated_tokens) < wanted[rid] or out.error is not None]

@@ -107,6 +107,21 @@ def warm_up_hf(model, tokenizer, prompt_ids: List[int], tokens: int = 2) -> None
                        pad_token_id=pad)
 
 
+def collect_finished(manager, count: int, start: float, timeout_s: float) -> dict:
+    """The finished outputs of `count` requests from transformers' continuous batching manager, by request id
+    (TimeoutError `timeout_s` after `start`, RuntimeError if its loop stops)."""
+    results = {}
+    while len(results) < count:
+        if time.perf_counter() - start > timeout_s:
+            raise TimeoutError(f"HF continuous batching not done after {timeout_s:.0f} s")
+        out = manager.get_result(timeout=1)
+        if out is not None and out.is_finished():
+            results[out.request_id] = out
+        elif out is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
+    return results
+
+
 def run_hf_continuous(model, tokenizer, trace: Trace, kv_slots: int, page_size: int = 16,
                       max_batch_tokens: int = 2048, timeout_s: float = 3600.0) -> BaselineRun:
     """transformers' continuous batching (paged cache of kv_slots tokens), per-request output lengths, no EOS."""
@@ -127,14 +142,7 @@ def run_hf_continuous(model, tokenizer, trace: Trace, kv_slots: int, page_size: 
             ids = [manager.add_request(list(r.prompt_token_ids), max_new_tokens=r.output_len, eos_token_id=-1)
                    for r in trace.requests]
             wanted = {rid: r.output_len for rid, r in zip(ids, trace.requests)}
-            while len(results) < len(wanted):
-                if time.perf_counter() - start > timeout_s:
-                    raise TimeoutError(f"HF continuous batching not done after {timeout_s:.0f} s")
-                out = manager.get_result(timeout=1)
-                if out is not None and out.is_finished():
-                    results[out.request_id] = out
-                elif out is None and not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
+            results = collect_finished(manager, len(wanted), start, timeout_s)
             wall = time.perf_counter() - start
     finally:
         model.config._attn_implementation = previous
