@@ -108,7 +108,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, on_launched: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """Swap, copy, then one forward; returns logits `[len(sample_indices), vocab]`. `on_launched` runs when
         the host is free until the logits: before a CPU forward (it holds this thread throughout), after an
-        accelerator's forward is queued (never run on a GPU here: no GPU was lent so far)."""
+        accelerator's forward (or graph replay) is queued (on a GPU this ran once, 2026-12-04: docs/gpu.md)."""
         queued_on_device = on_launched is not None and self.device.type != "cpu"
         if on_launched is not None and not queued_on_device:
             on_launched()
