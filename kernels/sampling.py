@@ -234,7 +234,8 @@ def greedy_rows(logits: torch.Tensor, with_norms: bool = True) -> GreedyDraws:
 def greedy_rows_torch(logits: torch.Tensor, with_norms: bool = True) -> GreedyDraws:
     """The PyTorch version of `greedy_rows` (any device)."""
     maxima, bad = _row_maxima(logits)
-    tokens = logits.argmax(-1) if logits.shape[1] else torch.zeros(logits.shape[0], dtype=torch.long)
+    tokens = logits.argmax(-1) if logits.shape[1] else torch.zeros(logits.shape[0], dtype=torch.long,
+                                                                    device=logits.device)
     log_norm = torch.full((logits.shape[0],), float("nan"), dtype=torch.float64, device=logits.device)
     if with_norms:
         safe = maxima.masked_fill(bad, 0.0)

@@ -109,6 +109,6 @@ def test_the_feature_check_on_the_cpu_compares_both_engines(monkeypatch):
     result = gpu_engine.check_features(device="cpu")
     assert result["same"] and result["structured"], result
     assert set(result["rows"]) >= {"penalties", "bias", "allowed", "min_tokens", "logprobs", "seeded", "beams",
-                                   "json", "ngram_speculation"}
+                                   "json", "ngram_speculation", "draft_model_speculation"}
     report = gpu_engine.report_markdown({"device": "cpu", "features": result, "fidelity": {}, "pressure": {}})
     assert "| json | yes |" in report and "Structured outputs checked" in report

@@ -220,6 +220,17 @@ def check_features(device: Optional[str] = None) -> dict:
     rows["ngram_speculation"] = {"same": [list(o.outputs[0].token_ids) for o in a] ==
                                  [list(o.outputs[0].token_ids) for o in b] and not any(o.error for o in a + b),
                                  "error": next((o.error for o in a + b if o.error), None)}
+    # a draft model (the target itself: every draft is accepted when greedy); sampled rows draw through the
+    # rejection sampler, whose generators are the host's: they must come back whole, greedy ones as without it
+    draft = LLM(model, tokenizer=tokenizer, device=device, num_blocks=256,
+                speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    sampled = [(p, SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)) for i, (p, _) in
+               enumerate(greedy)]
+    c = draft.generate([p for p, _ in greedy + sampled], [q for _, q in greedy + sampled], use_tqdm=False)
+    whole = all(len(o.outputs[0].token_ids) == 24 and not o.error for o in c)
+    rows["draft_model_speculation"] = {"same": whole and [list(o.outputs[0].token_ids) for o in c[:len(greedy)]] ==
+                                       [list(o.outputs[0].token_ids) for o in b],
+                                       "error": next((o.error for o in c if o.error), None)}
     return {"same": all(r["same"] for r in rows.values()), "rows": rows, "structured": structured,
             "graph_replays": replays}
 

@@ -74,7 +74,8 @@ class SampleBatch:
     tokens: List[int]
     logprobs: Optional[List[float]]
     offsets: List[int]
-    first_tokens: torch.Tensor                           # [rows] int64: each row's first draw (0 for failed rows)
+    first_tokens: torch.Tensor                           # [rows] int64 on the host: each row's first draw (0 for
+    #                                                      failed rows), where the next step's input ids come from
     failures: Dict[int, str]
     top_logprobs: Dict[int, List[Dict[int, Logprob]]]    # rows that asked for logprobs
     scores: Dict[int, Tuple[torch.Tensor, torch.Tensor]]  # rows with output_scores: (processed scores, raw logits)
@@ -221,8 +222,9 @@ class Sampler:
         for row in draws.failed_rows:
             failures.setdefault(row, "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample")
         offset_list = offsets.tolist()
-        tokens, token_lps = draws.tokens.tolist(), draws.logprobs.tolist()
-        batch = SampleBatch(tokens, token_lps, offset_list, draws.tokens[offsets[:-1]], failures, {}, {})
+        host_tokens = draws.tokens.cpu()   # the next step's inputs are filled from them on the host
+        tokens, token_lps = host_tokens.tolist(), draws.logprobs.tolist()
+        batch = SampleBatch(tokens, token_lps, offset_list, host_tokens[offsets[:-1]], failures, {}, {})
         for i, req in enumerate(requests):
             params = req.params
             if (params.logprobs is None and not params.output_scores) or i in failures:
@@ -242,7 +244,7 @@ class Sampler:
         draws = kernels.greedy_rows(logits, with_norms=False)
         failures = {row: "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample"
                     for row in draws.failed_rows}
-        first = draws.tokens.clamp(min=0) if failures else draws.tokens
+        first = (draws.tokens.clamp(min=0) if failures else draws.tokens).cpu()   # on the host, as the inputs
         return SampleBatch(first.tolist(), None, list(range(len(first) + 1)), first, failures, {}, {})
 
     @staticmethod

@@ -104,7 +104,7 @@ class DraftModelProposer:
             return int(logits.argmax())
         probs = torch.softmax(logits.double() / temperature, dim=-1)
         self.probs.setdefault(seq_id, []).append(probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))   # the generator is the host's
 
     def draft_probs(self, seq_id: int) -> Optional[torch.Tensor]:
         return self.probs.get(seq_id)

@@ -46,7 +46,7 @@ def speculative_sample(p: torch.Tensor, q: torch.Tensor, drafts: Seq[int],
         residual = (p[i] - q[i].to(p.dtype)).clamp(min=0)
         total = float(residual.sum())
         row = residual / total if total > 0 else p[i]
-        out.append(int(torch.multinomial(row, 1, generator=generator)))
+        out.append(int(torch.multinomial(row.cpu(), 1, generator=generator)))   # the generators are the host's
         return out
-    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    out.append(int(torch.multinomial(p[len(drafts)].cpu(), 1, generator=generator)))
     return out
