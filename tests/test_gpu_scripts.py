@@ -112,3 +112,11 @@ def test_the_feature_check_on_the_cpu_compares_both_engines(monkeypatch):
                                    "json", "ngram_speculation", "draft_model_speculation"}
     report = gpu_engine.report_markdown({"device": "cpu", "features": result, "fidelity": {}, "pressure": {}})
     assert "| json | yes |" in report and "Structured outputs checked" in report
+
+
+def test_the_lora_check_on_the_cpu_matches_peft(tmp_path):
+    row = gpu_engine.check_lora(tmp_path, device="cpu")
+    assert row["same"] and row["adapters_same"] == [True, True, True], row
+    assert row["adapters_change_tokens"] == [True, True], row   # else the comparison would prove nothing
+    report = gpu_engine.report_markdown({"device": "cpu", "lora": row, "fidelity": {}, "pressure": {}})
+    assert "Same greedy tokens: [True, True, True]" in report

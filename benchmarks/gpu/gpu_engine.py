@@ -17,6 +17,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -235,6 +236,44 @@ def check_features(device: Optional[str] = None) -> dict:
             "graph_replays": replays}
 
 
+LORA_SPECS = (dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+              dict(r=8, lora_alpha=8, target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"], use_rslora=True))
+
+
+def check_lora(folder: Path, device: Optional[str] = None) -> dict:
+    """Two PEFT adapters (random, non-zero, made here) and the base model in one batch on the device (the Triton
+    LoRA kernels on CUDA) against PEFT's own greedy tokens on the same device and weights (float32)."""
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from paged_backend import LoRARequest
+
+    device = device or DEVICE
+    model, tokenizer = load_model("tiny-llama", dtype=torch.float32, device=device)
+    prompts = _prompts((6, 13, 22), model.config.vocab_size, seed=5)
+    requests, want = [None], [[_hf_greedy(model, p, FIDELITY_NEW_TOKENS) for p in prompts]]
+    for i, spec in enumerate(LORA_SPECS):
+        torch.manual_seed(100 + i)
+        directory = folder / f"adapter{i}"
+        get_peft_model(copy.deepcopy(model), LoraConfig(init_lora_weights=False, **spec)).save_pretrained(
+            str(directory))
+        peft = PeftModel.from_pretrained(copy.deepcopy(model), str(directory)).eval()
+        want.append([_hf_greedy(peft, p, FIDELITY_NEW_TOKENS) for p in prompts])
+        requests.append(LoRARequest(f"adapter{i}", i + 1, str(directory)))
+    llm = LLM(model, tokenizer=tokenizer, device=device, num_blocks=256, enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=FIDELITY_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([p for _ in requests for p in prompts], params, use_tqdm=False,
+                           lora_request=[r for r in requests for _ in prompts])
+    got = [[list(outputs[k * len(prompts) + j].outputs[0].token_ids) for j in range(len(prompts))]
+           for k in range(len(requests))]
+    same = [g == w for g, w in zip(got, want)]
+    return {"same": all(same) and not any(o.error for o in outputs), "adapters_same": same,
+            "adapters_change_tokens": [w != want[0] for w in want[1:]],
+            "error": next((o.error for o in outputs if o.error), None)}
+
+
 # ---- throughput --------------------------------------------------------------------------------------------
 def llama_1b(vocab: int = 32000):
     """A random-weight Llama-like model of about 1.1B parameters (TinyLlama's shape), bfloat16 on the GPU."""
@@ -423,6 +462,10 @@ def report_markdown(result: dict) -> str:
             lines.append(f"| all | NO | {features.get('error')} |")
         lines += ["", f"Structured outputs {'checked' if features.get('structured') else 'not checked (no xgrammar)'}"
                       f"; decode steps replayed from CUDA graphs: {features.get('graph_replays', 0)}."]
+    lora = result.get("lora")
+    if lora:
+        lines += ["", "## LoRA: the base model and two adapters in one batch against PEFT on the same device", "",
+                  f"Same greedy tokens: {lora.get('adapters_same', 'NO')}; error: {lora.get('error') or 'none'}."]
     lines += ["", "## Mixed requests under memory pressure (20 blocks of 16) against each request alone", "",
               "| preemption | same outputs | preemptions | free blocks after |", "| --- | --- | --- | --- |"]
     for mode, row in result.get("pressure", {}).items():
@@ -472,6 +515,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result["fidelity"] = check_fidelity([p for p in args.presets.split(",") if p])
     result["features"] = _guarded(check_features)
     print(f"features: {result['features']}", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        result["lora"] = _guarded(check_lora, Path(folder))
+    print(f"lora: {result['lora']}", flush=True)
     result["pressure"] = {mode: _guarded(check_pressure, mode) for mode in ("swap", "recompute")}
     print(f"pressure: {result['pressure']}", flush=True)
     if not args.skip_throughput:
@@ -488,6 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed = [n for n, r in result["fidelity"].items() if not r["same"]]
     failed += [m for m, r in result["pressure"].items() if not r["same"]]
     failed += [] if result["features"]["same"] else ["features"]
+    failed += [] if result["lora"]["same"] else ["lora"]
     return 1 if failed or "error" in result.get("throughput", {}) else 0
 
 
