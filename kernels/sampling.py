@@ -213,8 +213,8 @@ class GreedyDraws:
     """Per row: its first maximum (-1 for a row without a finite maximum) and its log-normaliser (NaN when not
     asked for, or for such a row)."""
 
-    tokens: torch.Tensor      # [R] int64
-    log_norm: torch.Tensor    # [R] float64
+    tokens: torch.Tensor      # [R] int64, on the host (what the engine reads next)
+    log_norm: torch.Tensor    # [R] float64, on the logits' device
     failed_rows: List[int] = field(default_factory=list)
 
 
@@ -241,5 +241,5 @@ def greedy_rows_torch(logits: torch.Tensor, with_norms: bool = True) -> GreedyDr
         safe = maxima.masked_fill(bad, 0.0)
         log_norm = safe.double() + (logits - safe[:, None]).exp().sum(-1, dtype=torch.float64).log()
         log_norm = log_norm.masked_fill(bad, float("nan"))
-    tokens = tokens.masked_fill(bad, -1)
-    return GreedyDraws(tokens, log_norm, bad.nonzero().flatten().tolist())
+    tokens = tokens.masked_fill(bad, -1).cpu()   # one wait for the device; the failed rows are read on the host
+    return GreedyDraws(tokens, log_norm, (tokens < 0).nonzero().flatten().tolist())

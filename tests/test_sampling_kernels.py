@@ -292,3 +292,20 @@ def test_the_sampler_draws_what_the_sort_based_sampler_drew_for_a_seed():
     got = [r.token_ids for r in Sampler(seed=5).sample(logits.clone(), make())]
     want = previous_sampler_tokens(logits, make(), torch.Generator().manual_seed(5))
     assert got == want
+
+
+@pytest.mark.parametrize("implementation", ["torch", "cpp"])
+def test_plain_greedy_rows_mark_rows_without_a_finite_maximum(implementation):
+    # the engine's greedy fast path: first maxima on the host, failed rows -1 and listed, log-normalisers optional
+    from paged_backend.kernels import cpu_sampling
+    from paged_backend.kernels.sampling import greedy_rows_torch
+
+    greedy = greedy_rows_torch if implementation == "torch" else cpu_sampling.greedy_rows
+    logits = torch.randn(4, 97)
+    logits[0, 3] = logits[0, 40] = logits[0].max() + 1.0   # a tie: the first index wins
+    logits[2, 11] = float("nan")
+    logits[3] = float("-inf")
+    draws = greedy(logits, with_norms=True)
+    assert draws.tokens.device.type == "cpu" and draws.failed_rows == [2, 3]
+    assert draws.tokens.tolist() == [3, int(logits[1].argmax()), -1, -1]
+    assert abs(float(draws.log_norm[1]) - float(logits[1].double().logsumexp(-1))) < 1e-6
