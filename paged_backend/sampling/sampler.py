@@ -244,7 +244,7 @@ class Sampler:
         draws = kernels.greedy_rows(logits, with_norms=False)
         failures = {row: "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample"
                     for row in draws.failed_rows}
-        first = (draws.tokens.clamp(min=0) if failures else draws.tokens).cpu()   # on the host, as the inputs
+        first = draws.tokens.clamp(min=0) if failures else draws.tokens   # on the host (GreedyDraws)
         return SampleBatch(first.tolist(), None, list(range(len(first) + 1)), first, failures, {}, {})
 
     @staticmethod
