@@ -23,6 +23,8 @@ def test_the_overlap_timing_on_the_cpu_reports_both_ways_with_the_same_tokens(mo
     rows = gpu_overlap.compare(model, (2,), steps=3, device="cpu")
     assert [r["overlap"] for r in rows] == [False, True] and all(r["same_tokens"] for r in rows), rows
     assert all(0 < r["device_ms_per_step"] and 0 < r["device_busy"] <= 1 for r in rows), rows
+    assert all(r["between_forwards_ms"] >= 0 and r["engine_thread_cpu_ms"] > 0 and r["forward_thread_cpu_ms"] > 0
+               for r in rows), rows
     assert "| 2 | off | on |" in gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "rows": rows})
 
 
@@ -48,11 +50,45 @@ def test_transformers_continuous_batching_baseline_runs_and_reruns(monkeypatch):
         baseline.close()
 
 
-def test_pressure_check_on_the_cpu_preempts_and_matches(monkeypatch):
+def test_a_pressure_mismatch_names_the_requests_and_reruns_each_path(monkeypatch):
+    # the H200 run at fda71e0 matched 9 of 12 requests under swapping and said no more: the check now names the
+    # requests that differ and reruns the pressure eagerly, without overlap and both, to say which path differs
     monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
+    real = gpu_engine._tight_run
+
+    def one_altered(model, tokenizer, work, mode, **options):
+        outputs, stats = real(model, tokenizer, work, mode, **options)
+        if not options:   # the default engine's run only: its request 4 (sampled, n=3) gets another 3rd token
+            completion = outputs[4].outputs[1]
+            completion.token_ids = list(completion.token_ids[:2]) + [completion.token_ids[2] + 1] + \
+                list(completion.token_ids[3:])
+        return outputs, stats
+    monkeypatch.setattr(gpu_engine, "_tight_run", one_altered)
     row = gpu_engine.check_pressure("swap")
-    assert row["same"] and row["num_errors"] == 0, row
+    assert not row["same"] and row["requests_same"] == 11 and row["num_errors"] == 0, row   # the rest match
     assert row["swap_preemptions"] > 0 and row["free_blocks_after"] == row["blocks"], row
+    assert row["differing"] == [{"request": 4, "kind": "sampled, n=3", "first_difference": [1, 2]}], row
+    assert (row["eager_requests_same"], row["no_overlap_requests_same"], row["eager_no_overlap_requests_same"],
+            row["alone_eager_no_overlap_same"]) == (12, 12, 12, 12), row
+    report = gpu_engine.report_markdown({"device": "cpu", "fidelity": {}, "pressure": {"swap": row}})
+    assert "4 (sampled, n=3, [1, 2])" in report and "eager 12, without overlap 12" in report
+
+
+def test_feature_rows_compare_tokens_exactly_and_logprobs_within_a_tolerance():
+    from types import SimpleNamespace as NS
+
+    from paged_backend.sampling.logprob import Logprob
+
+    def request(tokens, logprob, error=None):
+        completion = NS(token_ids=tokens, logprobs=[{t: Logprob(logprob, 1)} for t in tokens],
+                        cumulative_logprob=logprob * len(tokens))
+        return NS(outputs=[completion], error=error)
+    base = request([5, 6], -0.5)
+    assert gpu_engine.compare_completions(base, request([5, 6], -0.5 + 1e-6))["same"]
+    row = gpu_engine.compare_completions(base, request([5, 6], -0.5 + 1e-3))
+    assert not row["same"] and row["tokens_same"] and abs(row["logprob_gap"] - 2e-3) < 1e-9, row
+    assert not gpu_engine.compare_completions(base, request([5, 7], -0.5))["tokens_same"]
+    assert not gpu_engine.compare_completions(base, request([5, 6], -0.5, error="failed"))["same"]
 
 
 def test_a_failed_request_fails_the_pressure_check(monkeypatch):
@@ -94,13 +130,13 @@ def test_the_session_script_lays_out_the_package_and_reaches_each_part(tmp_path)
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, GPU_PARTS="engine overlap", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    env = dict(os.environ, GPU_PARTS="throughput engine overlap", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                ENGINE_ARGS="--presets tiny-llama", OVERLAP_ARGS="--steps 2")
     done = subprocess.run(["bash", "benchmarks/gpu/gpu_session.sh", str(tmp_path)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
-    for part in ("gpu_engine", "gpu_overlap"):
-        assert f"{part} needs a CUDA GPU" in (tmp_path / f"{part}.log").read_text()
+    for log, part in (("gpu_throughput", "gpu_engine"), ("gpu_engine", "gpu_engine"), ("gpu_overlap", "gpu_overlap")):
+        assert f"{part} needs a CUDA GPU" in (tmp_path / f"{log}.log").read_text()
 
 
 def test_the_feature_check_on_the_cpu_compares_both_engines(monkeypatch):

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU session's one prepared run: the engine end to end on CUDA (gpu_engine), its own time per step with and
-# without overlapped scheduling (gpu_overlap), then the Triton kernels' checks and decode timings (gpu_kernels).
+# The GPU session's one prepared run: our throughput against transformers' (gpu_engine --only-throughput), the
+# engine's checks on CUDA (gpu_engine --skip-throughput), its own time per step with and without overlapped
+# scheduling and CUDA graphs (gpu_overlap), then the Triton kernels' checks and decode timings (gpu_kernels).
 # Runs where the machine's python3 already holds torch, triton and transformers (nothing is installed: the
 # package is laid out from the working tree as pyproject maps it).
 # Needs the smollm2 tokenizer (the tiny presets use it) under $PAGED_BACKEND_CACHE/v1/smollm2-tokenizer.
-# Usage: benchmarks/gpu/gpu_session.sh OUTPUT_DIR      (each part has its own time limit; GPU_PARTS="engine" runs one)
+# Usage: benchmarks/gpu/gpu_session.sh OUTPUT_DIR      (each part has its own time limit; GPU_PARTS="engine" runs one;
+#        THROUGHPUT_ARGS, ENGINE_ARGS, OVERLAP_ARGS are passed to the part's script)
 # Wheels in .whl/ (carried to the machine) are installed beside the package first: the machine has no xgrammar,
 # which the engine part's structured-output request needs (it is skipped, and says so, without). Fetched here by:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -32,9 +34,11 @@ nvidia-smi -L
 python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], "torch", torch.__version__,
 "triton", triton.__version__, "transformers", transformers.__version__)'
 status=0
-parts=" ${GPU_PARTS:-engine overlap kernels} "
-[[ $parts == *" engine "* ]] && { timeout "${ENGINE_TIMEOUT:-270}" python3 -m paged_backend.benchmarks.gpu.gpu_engine --output "$out" ${ENGINE_ARGS:-} 2>&1 \
-    | grep -v Warning | tee "$out/gpu_engine.log" || status=1; }
+parts=" ${GPU_PARTS:-throughput engine overlap kernels} "
+[[ $parts == *" throughput "* ]] && { timeout "${THROUGHPUT_TIMEOUT:-300}" python3 -m paged_backend.benchmarks.gpu.gpu_engine --only-throughput \
+    --output "$out/throughput" ${THROUGHPUT_ARGS:-} 2>&1 | grep -v Warning | tee "$out/gpu_throughput.log" || status=1; }
+[[ $parts == *" engine "* ]] && { timeout "${ENGINE_TIMEOUT:-270}" python3 -m paged_backend.benchmarks.gpu.gpu_engine --skip-throughput \
+    --output "$out" ${ENGINE_ARGS:-} 2>&1 | grep -v Warning | tee "$out/gpu_engine.log" || status=1; }
 [[ $parts == *" overlap "* ]] && { timeout "${OVERLAP_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_overlap --output "$out" ${OVERLAP_ARGS:-} 2>&1 \
     | grep -v Warning | tee "$out/gpu_overlap.log" || status=1; }
 [[ $parts == *" kernels "* ]] && { timeout "${KERNELS_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_kernels \
