@@ -16,7 +16,7 @@ import torch
 
 from . import cpu, reference
 from .reference import AttentionPlan, check_block_reads, dense_attention, plan_paged_attention
-from .sampling import GreedyDraws, RowDraws, greedy_rows, sample_rows
+from .sampling import GreedyDraws, RowDraws, greedy_rows, greedy_tokens, sample_rows
 
 _BACKENDS = ("auto", "triton", "cpp", "torch")
 Plan = Union[AttentionPlan, cpu.CpuPlan]
@@ -181,5 +181,5 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
 
 
 __all__ = ["AttentionPlan", "GreedyDraws", "RowDraws", "check_block_reads", "copy_blocks", "dense_attention",
-           "greedy_rows", "kernel_backend", "kernel_fallback_reasons", "kernels_in_use", "paged_attention",
-           "plan_attention", "plan_paged_attention", "reshape_and_cache", "sample_rows"]
+           "greedy_rows", "greedy_tokens", "kernel_backend", "kernel_fallback_reasons", "kernels_in_use",
+           "paged_attention", "plan_attention", "plan_paged_attention", "reshape_and_cache", "sample_rows"]

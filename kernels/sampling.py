@@ -231,11 +231,24 @@ def greedy_rows(logits: torch.Tensor, with_norms: bool = True) -> GreedyDraws:
     return greedy_rows_torch(logits, with_norms)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, -1 for a row without a finite maximum, on the logits' device: no wait for the
+    device (a GPU step's next inputs are filled from them there, while their copy to the host is on its way)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be a float32 [rows, vocab] tensor, got {tuple(logits.shape)} {logits.dtype}")
+    _, bad = _row_maxima(logits)
+    return _first_maxima(logits).masked_fill(bad, -1)
+
+
+def _first_maxima(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1) if logits.shape[1] else torch.zeros(logits.shape[0], dtype=torch.long,
+                                                                 device=logits.device)
+
+
 def greedy_rows_torch(logits: torch.Tensor, with_norms: bool = True) -> GreedyDraws:
     """The PyTorch version of `greedy_rows` (any device)."""
     maxima, bad = _row_maxima(logits)
-    tokens = logits.argmax(-1) if logits.shape[1] else torch.zeros(logits.shape[0], dtype=torch.long,
-                                                                    device=logits.device)
+    tokens = _first_maxima(logits)
     log_norm = torch.full((logits.shape[0],), float("nan"), dtype=torch.float64, device=logits.device)
     if with_norms:
         safe = maxima.masked_fill(bad, 0.0)

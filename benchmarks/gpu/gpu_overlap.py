@@ -38,8 +38,10 @@ class TimedRunner:
     """Wraps an engine's runner: the device time of each forward (CUDA events around it; the host's wall time
     on a CPU smoke run)."""
 
-    def __init__(self, runner, device: str) -> None:
+    def __init__(self, runner, device: str, device_fill: bool = True) -> None:
         self.runner, self.device = runner, device
+        # the engine fills pending input ids on the device when the runner says it can (step_inputs.DeviceFill)
+        self.fills_on_device = device_fill and getattr(runner, "fills_on_device", False)
         self.spans: List[tuple] = []
         self.thread_cpu: List[float] = []   # CPU seconds of the calling thread (the worker's when overlapped)
 
@@ -84,15 +86,18 @@ class TimedRunner:
         self.runner.shutdown()
 
 
-def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: bool = False) -> dict:
-    """Decode steps of `batch` greedy sequences: wall and device time per step, and the tokens."""
+def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: bool = False,
+            device_fill: bool = True) -> dict:
+    """Decode steps of `batch` greedy sequences: wall and device time per step, and the tokens. `device_fill`
+    False: the worker waits for each step's tokens on the host and fills the next step's inputs there (as before
+    `StepInputs.device_fill`)."""
     vocab = model.config.vocab_size
     prompts = gpu_engine._prompts([PROMPT_TOKENS] * batch, vocab, seed=batch)
     engine = LLMEngine(model, device=device, num_blocks=batch * 8 + 16, block_size=16, max_num_seqs=max(256, batch),
                        max_num_batched_tokens=max(2048, batch * PROMPT_TOKENS), async_scheduling=overlap,
                        enforce_eager=not graphs)
     captured = engine.runner.graphs is not None and engine.runner.graphs.stats.error is None
-    timed = engine.runner = TimedRunner(engine.runner, device)
+    timed = engine.runner = TimedRunner(engine.runner, device, device_fill)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     for _ in range(4):   # prefill, then decoding
@@ -117,7 +122,8 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: b
     engine.shutdown()
     if errors:
         raise RuntimeError(f"{len(errors)} of {batch} requests failed; the first: {errors[0]}")
-    return {"batch": batch, "overlap": overlap, "graphs": captured, "step_ms": wall_ms / steps,
+    return {"batch": batch, "overlap": overlap, "graphs": captured, "device_fill": timed.fills_on_device,
+            "step_ms": wall_ms / steps,
             "device_ms_per_step": device_ms / steps, "device_busy": min(1.0, device_ms / wall_ms),
             "between_forwards_ms": gap_ms, "engine_thread_cpu_ms": engine_cpu_ms / steps,
             "forward_thread_cpu_ms": worker_cpu_ms,
@@ -141,6 +147,11 @@ def compare(model, batches: Sequence[int], steps: int, device: str, graphs: Sequ
             rows += [dict(off, same_tokens=same, same_as_eager=as_eager), dict(on, same_tokens=same,
                                                                               same_as_eager=as_eager)]
             print(rows[-2], rows[-1], flush=True)
+            if graph:   # the same overlapped steps with the host fill, for the difference the device fill makes
+                host = measure(model, batch, True, steps, device, graph, device_fill=False)
+                same_host = host.pop("tokens") == tokens
+                rows.append(dict(host, same_tokens=same_host, same_as_eager=same_host and as_eager))
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -197,12 +208,12 @@ def _guarded(check, *args) -> dict:
 
 def report_markdown(result: dict) -> str:
     lines = [f"# Overlapped scheduling and CUDA graphs on {result['device']}", "", result["model"], "",
-             "| sequences | CUDA graphs | overlap | step ms | device ms per step | device busy | same tokens, overlap "
-             "on/off | same tokens as eager | between forwards ms | engine thread CPU ms | forward thread CPU ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| sequences | CUDA graphs | overlap | device fill | step ms | device ms per step | device busy | same "
+             "tokens, overlap on/off | same tokens as eager | between forwards ms | engine thread CPU ms | forward "
+             "thread CPU ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result.get("rows", []):
         lines.append(f"| {r['batch']} | {'on' if r.get('graphs') else 'off'} | {'on' if r['overlap'] else 'off'} | "
-                     f"{r['step_ms']:.2f} | {r['device_ms_per_step']:.2f} | {100 * r['device_busy']:.0f}% | "
+                     f"{'on' if r.get('device_fill') else 'off'} | {r['step_ms']:.2f} | {r['device_ms_per_step']:.2f} | {100 * r['device_busy']:.0f}% | "
                      f"{'yes' if r['same_tokens'] else 'NO'} | {'yes' if r.get('same_as_eager', True) else 'no'} | "
                      + " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in
                                   ("between_forwards_ms", "engine_thread_cpu_ms", "forward_thread_cpu_ms")) + " |")

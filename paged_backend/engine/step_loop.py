@@ -104,19 +104,29 @@ class StepLoop:
         step sampled (unless that step's job did), run the forward (releasing the previous step's results once
         it is on its way), draw the sampled rows' tokens; if the next step is launched, fill its inputs and hold
         the results for it to release."""
+        on_device = getattr(self.runner, "fills_on_device", False)
         if launched.fill is not None and not launched.filled:
-            launched.fill_inputs(previous.sampled_tokens())
+            tokens = previous.sampled_tokens()
+            if on_device and tokens is not None and tokens.device.type != "cpu":
+                launched.fill_on_device(tokens)
+            else:
+                launched.fill_inputs(tokens)
         logits = self._forward(launched.inputs, previous.release if previous is not None else None)
         if not launched.rows.normal:
             result = StepResult(logits)
         else:
             try:
-                result = StepResult(logits, self.tokens.sample(launched.rows, logits))
+                pending = self.tokens.sample_later(launched.rows, logits) if on_device else None
+                result = StepResult(logits, pending=pending) if pending is not None else \
+                    StepResult(logits, self.tokens.sample(launched.rows, logits))
             except Exception as exc:  # noqa: BLE001 - a batched sampling stage failed: the step's sampled rows fail
                 result = StepResult(logits, None, exc)
         successor, launched.successor = launched.successor, None
         if successor is not None:   # on the worker; the successor's own job, after this one, finds it filled
-            successor.fill_inputs(None if result.batch is None else result.batch.first_tokens)
+            if result.pending is not None:   # from the device: nothing waits for the host before its forward
+                successor.fill_on_device(result.pending.tokens)
+            else:
+                successor.fill_inputs(None if result.batch is None else result.batch.first_tokens)
         launched.deliver(result, hold=successor is not None)
         return result
 
@@ -141,6 +151,7 @@ class StepLoop:
             outputs = self._fail_step(launched, exc, successor)
             self.scheduler.free_finished()
             return outputs
+        result.settle()   # tokens the device sampled without the worker waiting: here they reach the host
         self.tokens.begin()
         self.tokens.process(launched.sched, launched.rows, result.logits, result.batch, result.sample_error)
         self.counters.num_steps += 1

@@ -26,8 +26,8 @@ from paged_backend.core.sequence import SequenceGroup
 from paged_backend.worker import compute_thread
 from paged_backend.engine.input_builder import TokenFill
 from paged_backend.engine.token_processor import StepRows
-from paged_backend.sampling.sampler import SampleBatch
-from paged_backend.worker.step_inputs import StepInputs
+from paged_backend.sampling.sampler import PendingGreedy, SampleBatch
+from paged_backend.worker.step_inputs import DeviceFill, StepInputs
 
 
 @dataclass
@@ -37,6 +37,17 @@ class StepResult:
     logits: Optional[torch.Tensor]
     batch: Optional[SampleBatch] = None
     sample_error: Optional[BaseException] = None
+    pending: Optional[PendingGreedy] = None   # plain greedy tokens still on their way to the host (`settle`)
+
+    def settle(self) -> None:
+        """The pending tokens' batch, once they reach the host (the engine's thread waits for them here); an
+        error surfacing there is the sampler's."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                self.batch = pending.batch()
+            except Exception as exc:  # noqa: BLE001 - the step's sampled rows fail, as a failed sampler's
+                self.sample_error = exc
 
 
 @dataclass
@@ -85,6 +96,13 @@ class LaunchedStep:
             self.fill.apply(self.inputs.input_ids, tokens)
         self.filled = True
 
+    def fill_on_device(self, tokens: torch.Tensor) -> None:
+        """Leave this step's pending input ids to the runner, from the previous step's tokens on the device (a
+        runner that `fills_on_device`); called on the worker only."""
+        if self.fill is not None and not self.filled:
+            self.inputs.device_fill = DeviceFill(self.fill.positions, self.fill.rows, tokens)
+        self.filled = True
+
     def deliver(self, result: StepResult, hold: bool) -> None:
         """The job's results: to the engine at once, or (`hold`: the next step is launched) kept until the next
         step's forward is on its way (`release`); worker side."""
@@ -100,11 +118,14 @@ class LaunchedStep:
             self.results.set_result(held)
 
     def sampled_tokens(self) -> Optional[torch.Tensor]:
-        """Each sampled row's token ([rows] int64), or None if the step failed. Waits for the step."""
+        """Each sampled row's token ([rows] int64; on the device while they are pending), or None if the step
+        failed. Waits for the step's job."""
         try:
             result = self.future.result()
         except BaseException:  # noqa: BLE001 - the step failed: its requests fail, its successor fills zeros
             return None
+        if result.pending is not None:
+            return result.pending.tokens
         return None if result.batch is None else result.batch.first_tokens
 
 

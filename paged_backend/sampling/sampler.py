@@ -93,6 +93,31 @@ class SampleBatch:
         return [self.result(i) for i in range(len(self.offsets) - 1)]
 
 
+@dataclass
+class PendingGreedy:
+    """A batch of plain greedy rows whose tokens are still on their way to the host: `tokens` (on the device; 0
+    for a row without a finite maximum) are what the next step's input ids are filled from there, and `batch()`
+    waits for the host copy (`ready`: its CUDA event; None when the tokens are on the host already) and gives
+    the `SampleBatch` the engine applies, as `Sampler.sample_batch` would have."""
+
+    tokens: torch.Tensor                 # [rows] int64 on the logits' device
+    host: torch.Tensor                   # [rows] int64 on the host (-1: the row failed), once `ready` has passed
+    ready: Optional[object] = None       # torch.cuda.Event recorded after the copy
+
+    def batch(self) -> "SampleBatch":
+        if self.ready is not None:
+            self.ready.synchronize()
+        return greedy_batch(self.host)
+
+
+def greedy_batch(host_tokens: torch.Tensor) -> "SampleBatch":
+    """The `SampleBatch` of plain greedy rows from their host tokens (-1 where a row has no finite maximum)."""
+    failed = (host_tokens < 0).nonzero().flatten().tolist()
+    failures = {row: "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample" for row in failed}
+    first = host_tokens.clamp(min=0) if failures else host_tokens
+    return SampleBatch(first.tolist(), None, list(range(len(first) + 1)), first, failures, {}, {})
+
+
 def plain_greedy(requests: List[SampleRequest]) -> bool:
     """Every row is greedy with one draw and nothing else to compute: no processing, logprobs or scores (so no
     row needs its log-normaliser: see `SamplingParams.reports_logprobs`)."""
@@ -241,11 +266,21 @@ class Sampler:
 
     @staticmethod
     def _greedy_batch(logits: torch.Tensor) -> SampleBatch:
-        draws = kernels.greedy_rows(logits, with_norms=False)
-        failures = {row: "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample"
-                    for row in draws.failed_rows}
-        first = draws.tokens.clamp(min=0) if failures else draws.tokens   # on the host (GreedyDraws)
-        return SampleBatch(first.tolist(), None, list(range(len(first) + 1)), first, failures, {}, {})
+        return greedy_batch(kernels.greedy_rows(logits, with_norms=False).tokens)   # on the host (GreedyDraws)
+
+    @staticmethod
+    def greedy_later(logits: torch.Tensor) -> PendingGreedy:
+        """`sample_batch` for plain greedy rows without waiting for the device: their tokens stay there for the
+        next step's inputs while a copy goes to the host (pinned memory, one CUDA event). On the CPU the tokens
+        are ready at once (the same draws as `sample_batch`: each row's first maximum)."""
+        tokens = kernels.greedy_tokens(logits.to(torch.float32))
+        if tokens.device.type != "cuda":
+            return PendingGreedy(tokens.clamp(min=0), tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingGreedy(tokens.clamp(min=0), host, ready)
 
     @staticmethod
     def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, Logprob]:

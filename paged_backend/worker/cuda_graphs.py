@@ -149,6 +149,8 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
         self.context_lens[:n].copy_(inputs.context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
+        if inputs.device_fill is not None:   # the tokens the previous step left on the device
+            inputs.device_fill.apply(self.input_ids)
         if bucket > n:
             self._pad(n, bucket)
 

@@ -75,6 +75,9 @@ class ModelRunner:
         self.model = model
         self.cache_engine = cache_engine
         self.device = next(model.parameters()).device
+        # steps may leave their input ids that the previous step sampled to be filled here, on the device
+        # (`StepInputs.device_fill`): on a GPU nothing then waits for the host between two forwards
+        self.fills_on_device = self.device.type == "cuda"
         # a step reads every weight: on the CPU, from huge pages where the kernel lends them (huge_pages.py)
         self.huge_pages = (move_weights_to_huge_pages(model) if self.device.type == "cpu"
                            else HugePageWeights(0, 0, 0))
@@ -121,12 +124,14 @@ class ModelRunner:
             return torch.empty(0, 0)
         bucket = self.graphs.bucket_for(inputs) if self.graphs is not None else None
         if bucket is not None:   # a decode step: one graph replay (the host inputs copied into its buffers)
-            logits = self.graphs.run(inputs, bucket)
+            logits = self.graphs.run(inputs, bucket)   # it applies the step's device fill to its buffers
             if queued_on_device:
                 on_launched()
             return logits
         lora_plan = self._lora_plan(inputs)
         inputs = inputs.to(self.device)
+        if inputs.device_fill is not None:
+            inputs.device_fill.apply(inputs.input_ids)
         metadata = AttentionMetadata(
             slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables, context_lens=inputs.context_lens,
             query_start_loc=inputs.query_start_loc, block_size=self.cache_engine.block_size,

@@ -23,6 +23,21 @@ class LoRAStepInputs:
 
 
 @dataclass
+class DeviceFill:
+    """Input ids that the previous step sampled and left on the device: `input_ids[positions] = tokens[rows]`,
+    applied there once the inputs are (a runner that `fills_on_device` applies it; nothing waits for the host)."""
+
+    positions: torch.Tensor   # [P] int64 on the host: indices into the step's input ids
+    rows: torch.Tensor        # [P] int64 on the host: rows of `tokens`
+    tokens: torch.Tensor      # [R] int64 on the device: the previous step's tokens
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        device = self.tokens.device
+        input_ids[self.positions.to(device, non_blocking=True)] = \
+            self.tokens[self.rows.to(device, non_blocking=True)].to(input_ids.device)
+
+
+@dataclass
 class StepInputs:
     """Everything a worker needs to run one step (rank 0 builds it; tensor-parallel ranks receive it)."""
 
@@ -37,6 +52,7 @@ class StepInputs:
     swap_in: Dict[int, int] = field(default_factory=dict)
     copies: List[Tuple[int, int]] = field(default_factory=list)
     lora: Optional[LoRAStepInputs] = None   # None: no token of the step has an adapter
+    device_fill: Optional[DeviceFill] = None   # pending input ids the runner fills on the device
 
     def to(self, device) -> "StepInputs":
         """The inputs on `device`: themselves when they are there already (built together, their tensors share

@@ -1,0 +1,125 @@
+"""Greedy tokens left on the device for the next step's inputs (`StepInputs.device_fill`, `PendingGreedy`): on a
+GPU the worker launches step N+1 without waiting for step N's tokens to reach the host. There is no GPU here, so
+the runner is told it fills on the device (`fills_on_device`): the same path with host tensors. Every output must
+equal the plain engine's (no overlap), under memory pressure, with and without the decode buckets, and a request
+whose row fails must leave its neighbours exactly as a run without it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks, get_model, run_to_completion
+from paged_backend import LLMEngine, SamplingParams
+from paged_backend.engine.llm_engine import LLMEngine as EngineClass
+from paged_backend.sampling.sampler import Sampler
+from paged_backend.worker.cuda_graphs import GraphConfig
+from paged_backend.worker.step_inputs import DeviceFill
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many pending batches the sampler made and how many device fills runners applied."""
+    counts = {"pending": 0, "fills": 0}
+    greedy_later, apply = Sampler.greedy_later, DeviceFill.apply
+
+    def pending(logits):
+        counts["pending"] += 1
+        return greedy_later(logits)
+
+    def fill(self, input_ids):
+        counts["fills"] += 1
+        return apply(self, input_ids)
+    monkeypatch.setattr(Sampler, "greedy_later", staticmethod(pending))
+    monkeypatch.setattr(DeviceFill, "apply", fill)
+    return counts
+
+
+def _engine(monkeypatch, buckets: bool, on_device: bool, **options) -> LLMEngine:
+    model, tokenizer = get_model("tiny-llama", options.pop("dtype", torch.float64))
+    if buckets:   # the reference kernels skip padding rows' cache writes, as Triton's do (test_decode_graphs.py)
+        monkeypatch.setenv("PAGED_BACKEND_KERNELS", "torch")
+    monkeypatch.setattr(EngineClass, "_decode_graphs", (lambda self, lora: GraphConfig(
+        self.config.scheduler.max_num_seqs, self.max_model_len, capture=False, buckets=[1, 2, 4, 8]))
+        if buckets else (lambda self, lora: None))
+    engine = LLMEngine(model, tokenizer=tokenizer, **options)
+    engine.runner.fills_on_device = on_device
+    return engine
+
+
+def _workload(seed: int, greedy_only: bool = False):
+    rng = random.Random(seed)
+    work = []
+    for i in range(10):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))]
+        kind = 0 if greedy_only else i % 5
+        if kind in (0, 3, 4):
+            params = SamplingParams(temperature=0, max_tokens=rng.randrange(8, 36), ignore_eos=True)
+        elif kind == 1:
+            params = SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=rng.randrange(4, 16), ignore_eos=True)
+        else:
+            params = SamplingParams(beam_width=2, temperature=0, max_tokens=rng.randrange(4, 10), ignore_eos=True)
+        work.append((str(i), prompt, params))
+    return work
+
+
+def _run(engine: LLMEngine, work) -> dict:
+    for rid, prompt, params in work:
+        engine.add_request(rid, prompt, params)
+    finals = run_to_completion(engine, max_steps=3000)
+    return {rid: ([list(c.token_ids) for c in out.outputs], out.error) for rid, out in finals.items()}
+
+
+@pytest.mark.parametrize("mode, buckets", [("swap", True), ("recompute", False)])
+def test_device_fills_give_the_plain_engines_outputs_under_pressure(monkeypatch, counted, mode, buckets):
+    options = dict(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, preemption_mode=mode,
+                   **({"num_swap_blocks": 64} if mode == "swap" else {}))
+    work = _workload(5)
+    want = _run(_engine(monkeypatch, False, False, async_scheduling=False, **options), work)
+    engine = _engine(monkeypatch, buckets, True, **options)
+    assert _run(engine, work) == want
+    assert not [error for _, error in want.values() if error]
+    assert counted["pending"] > 10 and counted["fills"] > 5, counted   # else the path was never taken
+    assert engine.get_stats().num_preemptions > 0
+    if buckets:
+        assert engine.runner.graphs.stats.replays > 5
+    assert_no_leaks(engine)
+
+
+def test_a_row_without_a_finite_maximum_fails_its_request_alone(monkeypatch, counted):
+    # request "2"'s logits row turns NaN at its 4th token: it fails ("no finite maximum"), its pending token fills
+    # the next step's input with 0 (a row computed in vain), and every other request's tokens are a run's without it
+    from paged_backend.engine.token_processor import TokenProcessor
+
+    work = _workload(8, greedy_only=True)
+    options = dict(num_blocks=96, block_size=4, max_num_seqs=8)
+    without = _run(_engine(monkeypatch, True, True, **options), [w for w in work if w[0] != "2"])
+    sample_later = TokenProcessor.sample_later
+
+    def poisoned(self, rows, logits):
+        for i, item in enumerate(rows.samplers):
+            if item.group.request_id == "2" and len(item.seq.token_ids) - item.seq.prompt_len == 3:
+                logits = logits.clone()
+                logits[i] = float("nan")
+        return sample_later(self, rows, logits)
+    monkeypatch.setattr(TokenProcessor, "sample_later", poisoned)
+    engine = _engine(monkeypatch, True, True, **options)
+    got = _run(engine, work)
+    tokens, error = got.pop("2")
+    assert "no finite maximum" in error and len(tokens[0]) == 3, (tokens, error)
+    assert got == without
+    assert counted["fills"] > 5, counted
+    assert_no_leaks(engine)
+
+
+def test_pending_greedy_tokens_are_the_samplers_greedy_draws():
+    logits = torch.tensor([[0.1, 2.0, 2.0], [float("nan"), 1.0, 0.0], [-1.0, -3.0, 5.0],
+                           [float("-inf")] * 3], dtype=torch.float32)
+    pending = Sampler.greedy_later(logits)
+    assert pending.tokens.tolist() == [1, 0, 2, 0]   # failed rows fill the next input with 0
+    got, want = pending.batch(), Sampler()._greedy_batch(logits)
+    assert (got.tokens, got.offsets, got.failures, got.first_tokens.tolist()) == \
+        (want.tokens, want.offsets, want.failures, want.first_tokens.tolist())
+    assert set(got.failures) == {1, 3} and got.logprobs is None
