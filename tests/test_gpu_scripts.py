@@ -3,6 +3,7 @@ and the engine script's pressure check, pointed at the CPU, compares outputs and
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import get_model
@@ -107,8 +108,6 @@ def test_a_failed_request_fails_the_pressure_check(monkeypatch):
 
 def test_a_failed_request_fails_the_throughput_timing(monkeypatch):
     # the GPU run of 2026-12-04 counted the tokens of failed requests as produced: the timing now refuses them
-    import pytest
-
     from paged_backend import LLM, SamplingParams
     model, tokenizer = get_model("tiny-llama", torch.float32)
     llm = LLM(model, tokenizer=tokenizer, num_blocks=32)
@@ -157,3 +156,24 @@ def test_the_lora_check_on_the_cpu_matches_peft(tmp_path):
     assert row["adapters_change_tokens"] == [True, True], row   # else the comparison would prove nothing
     report = gpu_engine.report_markdown({"device": "cpu", "lora": row, "fidelity": {}, "pressure": {}})
     assert "Same greedy tokens: [True, True, True]" in report
+
+
+def test_the_throughput_part_runs_alone_with_its_size(monkeypatch, tmp_path):
+    # `--only-throughput --throughput-requests N` (docs/gpu.md's next run): the timing alone, sized, written out
+    import json
+
+    asked = []
+
+    def timing(num_requests):
+        asked.append(num_requests)
+        return {"error": "stand-in"} if num_requests == 3 else {"model": "stand-in", "requests": num_requests}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
+    monkeypatch.setattr(gpu_engine, "time_throughput", timing)
+    monkeypatch.setattr(gpu_engine, "report_markdown", lambda result: "report\n")
+    for checks in ("check_fidelity", "check_features", "check_lora", "check_pressure"):
+        monkeypatch.setattr(gpu_engine, checks, lambda *a: pytest.fail(f"{checks} ran"))
+    assert gpu_engine.main(["--only-throughput", "--throughput-requests", "7", "--output", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "gpu_engine.json").read_text())["throughput"]["requests"] == 7
+    assert gpu_engine.main(["--only-throughput", "--throughput-requests", "3"]) == 1   # a failed timing fails
+    assert asked == [7, 3]
