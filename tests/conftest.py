@@ -80,6 +80,13 @@ def assert_no_leaks(engine) -> None:
     assert not bm.block_tables and not bm.swapped_tables
 
 
+def run_requests(engine, work, max_steps: int = 20_000) -> dict:
+    """Add every (request id, prompt, params) of `work`, then `run_to_completion`."""
+    for rid, prompt, params in work:
+        engine.add_request(rid, prompt, params)
+    return run_to_completion(engine, max_steps)
+
+
 def run_to_completion(engine, max_steps: int = 20_000) -> dict:
     """Step an LLMEngine until it is idle; the final output of every request, by request id. Fails the test
     (instead of hanging) if that takes more than `max_steps` steps."""

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaks, get_model, run_to_completion
+from conftest import assert_no_leaks, get_model, run_requests
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.config import EngineConfig
 from paged_backend.engine.llm_engine import LLMEngine as EngineClass
@@ -84,9 +84,7 @@ def _workload(seed: int):
 
 
 def _run(engine: LLMEngine, work) -> dict:
-    for rid, prompt, params in work:
-        engine.add_request(rid, prompt, params)
-    finals = run_to_completion(engine, max_steps=3000)
+    finals = run_requests(engine, work, max_steps=3000)
     assert not [out.error for out in finals.values() if out.error]
     return {rid: [(list(c.token_ids), c.cumulative_logprob, c.logprobs) for c in out.outputs]
             for rid, out in finals.items()}

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaks, get_model, run_to_completion
+from conftest import assert_no_leaks, get_model, run_requests
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.engine.llm_engine import LLMEngine as EngineClass
 from paged_backend.sampling.sampler import Sampler
@@ -66,9 +66,7 @@ def _workload(seed: int, greedy_only: bool = False):
 
 
 def _run(engine: LLMEngine, work) -> dict:
-    for rid, prompt, params in work:
-        engine.add_request(rid, prompt, params)
-    finals = run_to_completion(engine, max_steps=3000)
+    finals = run_requests(engine, work, max_steps=3000)
     return {rid: ([list(c.token_ids) for c in out.outputs], out.error) for rid, out in finals.items()}
 
 
