@@ -17,6 +17,7 @@ import torch
 from . import cpu, reference
 from .reference import AttentionPlan, check_block_reads, dense_attention, plan_paged_attention
 from .sampling import GreedyDraws, RowDraws, greedy_rows, greedy_tokens, sample_rows
+from .sampling_device import sample_rows_nosync
 
 _BACKENDS = ("auto", "triton", "cpp", "torch")
 Plan = Union[AttentionPlan, cpu.CpuPlan]
@@ -182,4 +183,5 @@ def copy_blocks(key_caches: List[torch.Tensor], value_caches: List[torch.Tensor]
 
 __all__ = ["AttentionPlan", "GreedyDraws", "RowDraws", "check_block_reads", "copy_blocks", "dense_attention",
            "greedy_rows", "greedy_tokens", "kernel_backend", "kernel_fallback_reasons", "kernels_in_use",
-           "paged_attention", "plan_attention", "plan_paged_attention", "reshape_and_cache", "sample_rows"]
+           "paged_attention", "plan_attention", "plan_paged_attention", "reshape_and_cache", "sample_rows",
+           "sample_rows_nosync"]

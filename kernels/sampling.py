@@ -15,12 +15,13 @@ first maximum and keep the whole row (their log-probabilities are those of the f
 `sample_rows` runs the compiled CPU kernel (kernels/cpu_sampler.cpp) on CPU tensors when it builds, and
 `sample_rows_torch` otherwise (CUDA tensors, or no compiler): the torch version takes the candidates from
 one `topk` of bounded size and falls back to a full sort only for rows whose kept prefix reaches past it.
+`sampling_device.sample_rows_nosync` draws the same way without reading anything back (a GPU step's path).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -150,12 +151,13 @@ def with_ties(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return widened
 
 
-def kept_mask(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """[R, V] True on each row's kept prefix: the logits above the kept-th largest, then the tokens equal to it
-    in increasing id order (ties broken as the C++ kernel breaks them)."""
+def kept_mask(logits: torch.Tensor, kept: torch.Tensor, boundary: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[R, V] True on each row's kept prefix: the logits above the kept-th largest (`boundary` [R, 1] when the
+    caller knows it), then the tokens equal to it in increasing id order (ties broken as the C++ kernel does)."""
     vocab = logits.shape[1]
-    width = int(kept.max())
-    boundary = logits.topk(width, dim=-1).values.gather(1, (kept - 1).clamp(min=0)[:, None])
+    if boundary is None:
+        width = int(kept.max())
+        boundary = logits.topk(width, dim=-1).values.gather(1, (kept - 1).clamp(min=0)[:, None])
     above = logits > boundary
     tied = logits == boundary
     room = kept[:, None] - above.sum(-1, keepdim=True)
@@ -164,17 +166,21 @@ def kept_mask(logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(logits: torch.Tensor, maxima: torch.Tensor, kept: torch.Tensor, uniforms: torch.Tensor,
-          row_of_draw: torch.Tensor):
+          row_of_draw: torch.Tensor, truncated: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
     """Tokens of every draw and each row's log-normaliser, by a two-level inverse CDF over the kept tokens
     in token-id order: float64 sums of CDF_BLOCK-token blocks, then a cumulative sum inside the chosen
-    block, so no float64 copy of the whole vocabulary is made."""
+    block, so no float64 copy of the whole vocabulary is made. `truncated`: (the rows that may keep less than
+    the whole row, the value at each one's kept prefix's end) when the caller knows them (nothing read back)."""
     rows, vocab = logits.shape
     blocks = -(-vocab // CDF_BLOCK)
     e = torch.zeros(rows, blocks * CDF_BLOCK, dtype=torch.float32, device=logits.device)
     e[:, :vocab] = (logits - maxima[:, None]).exp()
-    truncated = (kept < vocab).nonzero().flatten()
-    if truncated.numel():
-        e[truncated, :vocab] *= kept_mask(logits[truncated], kept[truncated])
+    if truncated is None:
+        index, boundary = (kept < vocab).nonzero().flatten(), None
+    else:
+        index, boundary = truncated
+    if index.numel():
+        e[index, :vocab] *= kept_mask(logits[index], kept[index], boundary)
     e = e.view(rows, blocks, CDF_BLOCK)
     block_mass = e.sum(-1, dtype=torch.float64)
     block_cdf = block_mass.cumsum(-1)

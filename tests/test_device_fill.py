@@ -1,8 +1,8 @@
-"""Greedy tokens left on the device for the next step's inputs (`StepInputs.device_fill`, `PendingGreedy`): on a
-GPU the worker launches step N+1 without waiting for step N's tokens to reach the host. There is no GPU here, so
-the runner is told it fills on the device (`fills_on_device`): the same path with host tensors. Every output must
-equal the plain engine's (no overlap), under memory pressure, with and without the decode buckets, and a request
-whose row fails must leave its neighbours exactly as a run without it."""
+"""Tokens left on the device for the next step's inputs (`StepInputs.device_fill`, `PendingDraws`): on a GPU the
+worker launches step N+1 without waiting for step N's tokens (greedy or sampled, one per row) to reach the host.
+There is no GPU here, so the runner is told it fills on the device (`fills_on_device`): the same path with host
+tensors. Every output must equal the plain engine's (no overlap), under memory pressure, with and without the
+decode buckets, and a request whose row fails must leave its neighbours exactly as a run without it."""
 
 from __future__ import annotations
 
@@ -14,25 +14,33 @@ import torch
 from conftest import assert_no_leaks, get_model, run_requests
 from paged_backend import LLMEngine, SamplingParams
 from paged_backend.engine.llm_engine import LLMEngine as EngineClass
-from paged_backend.sampling.sampler import Sampler
+from paged_backend.sampling.sampler import PendingDraws, Sampler
 from paged_backend.worker.cuda_graphs import GraphConfig
 from paged_backend.worker.step_inputs import DeviceFill
 
 
 @pytest.fixture
 def counted(monkeypatch):
-    """How many pending batches the sampler made and how many device fills runners applied."""
-    counts = {"pending": 0, "fills": 0}
-    greedy_later, apply = Sampler.greedy_later, DeviceFill.apply
+    """How many pending batches the sampler made (and of them sampled ones) and how many device fills runners
+    applied."""
+    from paged_backend import kernels
 
-    def pending(logits):
+    counts = {"pending": 0, "sampled": 0, "fills": 0}
+    of, nosync, apply = PendingDraws.of.__func__, kernels.sample_rows_nosync, DeviceFill.apply
+
+    def pending(cls, marked):
         counts["pending"] += 1
-        return greedy_later(logits)
+        return of(cls, marked)
+
+    def sampled(*args):
+        counts["sampled"] += 1
+        return nosync(*args)
 
     def fill(self, input_ids):
         counts["fills"] += 1
         return apply(self, input_ids)
-    monkeypatch.setattr(Sampler, "greedy_later", staticmethod(pending))
+    monkeypatch.setattr(PendingDraws, "of", classmethod(pending))
+    monkeypatch.setattr(kernels, "sample_rows_nosync", sampled)
     monkeypatch.setattr(DeviceFill, "apply", fill)
     return counts
 
@@ -79,7 +87,7 @@ def test_device_fills_give_the_plain_engines_outputs_under_pressure(monkeypatch,
     engine = _engine(monkeypatch, buckets, True, **options)
     assert _run(engine, work) == want
     assert not [error for _, error in want.values() if error]
-    assert counted["pending"] > 10 and counted["fills"] > 5, counted   # else the path was never taken
+    assert counted["pending"] > 10 and counted["sampled"] > 3 and counted["fills"] > 5, counted   # else untaken
     assert engine.get_stats().num_preemptions > 0
     if buckets:
         assert engine.runner.graphs.stats.replays > 5
@@ -109,6 +117,27 @@ def test_a_row_without_a_finite_maximum_fails_its_request_alone(monkeypatch, cou
     assert "no finite maximum" in error and len(tokens[0]) == 3, (tokens, error)
     assert got == without
     assert counted["fills"] > 5, counted
+    assert_no_leaks(engine)
+
+
+def test_the_next_step_gets_the_tokens_while_the_engine_waits_for_their_copy(monkeypatch, counted):
+    # on a GPU the worker is usually done with step N before step N+1 is launched, so step N+1's job asks step N
+    # for its tokens while the engine's thread waits (GIL released) for their copy to the host: the tokens must
+    # be there throughout (a found bug: they were taken away for that wait, and step N+1 got zeros)
+    import time
+
+    batch = PendingDraws.batch
+
+    def slow(self):   # an event's synchronize: the interpreter is free while the copy lands
+        time.sleep(0.02)
+        return batch(self)
+    monkeypatch.setattr(PendingDraws, "batch", slow)
+    work = _workload(11)[:5]
+    options = dict(num_blocks=64, block_size=4, max_num_seqs=8)
+    want = _run(_engine(monkeypatch, False, False, async_scheduling=False, **options), work)
+    engine = _engine(monkeypatch, False, True, **options)
+    assert _run(engine, work) == want
+    assert counted["pending"] > 10, counted
     assert_no_leaks(engine)
 
 

@@ -107,7 +107,7 @@ class StepLoop:
         on_device = getattr(self.runner, "fills_on_device", False)
         if launched.fill is not None and not launched.filled:
             tokens = previous.sampled_tokens()
-            if on_device and tokens is not None and tokens.device.type != "cpu":
+            if on_device and tokens is not None:   # on the device (a pending step's) or copied there
                 launched.fill_on_device(tokens)
             else:
                 launched.fill_inputs(tokens)

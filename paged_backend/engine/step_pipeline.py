@@ -26,7 +26,7 @@ from paged_backend.core.sequence import SequenceGroup
 from paged_backend.worker import compute_thread
 from paged_backend.engine.input_builder import TokenFill
 from paged_backend.engine.token_processor import StepRows
-from paged_backend.sampling.sampler import PendingGreedy, SampleBatch
+from paged_backend.sampling.sampler import PendingDraws, SampleBatch
 from paged_backend.worker.step_inputs import DeviceFill, StepInputs
 
 
@@ -37,13 +37,14 @@ class StepResult:
     logits: Optional[torch.Tensor]
     batch: Optional[SampleBatch] = None
     sample_error: Optional[BaseException] = None
-    pending: Optional[PendingGreedy] = None   # plain greedy tokens still on their way to the host (`settle`)
+    pending: Optional[PendingDraws] = None   # one-token draws still on their way to the host (`settle`)
 
     def settle(self) -> None:
         """The pending tokens' batch, once they reach the host (the engine's thread waits for them here); an
-        error surfacing there is the sampler's."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
+        error surfacing there is the sampler's. `pending` stays: the next step's job may read its tokens from
+        another thread meanwhile (`LaunchedStep.sampled_tokens`)."""
+        pending = self.pending
+        if pending is not None and self.batch is None and self.sample_error is None:
             try:
                 self.batch = pending.batch()
             except Exception as exc:  # noqa: BLE001 - the step's sampled rows fail, as a failed sampler's
@@ -124,8 +125,9 @@ class LaunchedStep:
             result = self.future.result()
         except BaseException:  # noqa: BLE001 - the step failed: its requests fail, its successor fills zeros
             return None
-        if result.pending is not None:
-            return result.pending.tokens
+        pending = result.pending
+        if pending is not None:
+            return pending.tokens
         return None if result.batch is None else result.batch.first_tokens
 
 

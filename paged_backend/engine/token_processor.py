@@ -18,8 +18,8 @@ from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.engine.detokenizer import BatchDecoder, cut_at_stop, decode_new_texts, find_stop_string
 from paged_backend.engine.metrics import Counters
-from paged_backend.sampling.sampler import (PendingGreedy, SampleBatch, SampleRequest, SampleResult, Sampler,
-                                            needs_processing, plain_greedy)
+from paged_backend.sampling.sampler import (PendingDraws, SampleBatch, SampleRequest, SampleResult, Sampler,
+                                            needs_processing)
 from paged_backend.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_backend.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_backend.structured.matcher import accept_grammar
@@ -163,12 +163,12 @@ class TokenProcessor:
             logits = logits[rows.normal]
         return self.sampler.sample_batch(logits, rows.requests)
 
-    def sample_later(self, rows: StepRows, logits: torch.Tensor) -> Optional[PendingGreedy]:
-        """`sample` without waiting for the device, for a step whose rows are all plain greedy ones (no beams, no
-        speculation, nothing to process): None for any other step."""
-        if rows.spec or rows.beams or not rows.requests or not plain_greedy(rows.requests):
+    def sample_later(self, rows: StepRows, logits: torch.Tensor) -> Optional[PendingDraws]:
+        """`sample` without waiting for the device, for a step whose rows each draw one token and report nothing
+        else (greedy or sampled; no beams, speculation, processing or log-probabilities): None for any other."""
+        if rows.spec or rows.beams:
             return None
-        return self.sampler.greedy_later(logits)
+        return self.sampler.sample_later(logits, rows.requests)
 
     # ---- processing a step -------------------------------------------------------------------------
     def process(self, sched: SchedulerOutput, rows: StepRows, logits: Optional[torch.Tensor],

@@ -94,28 +94,51 @@ class SampleBatch:
 
 
 @dataclass
-class PendingGreedy:
-    """A batch of plain greedy rows whose tokens are still on their way to the host: `tokens` (on the device; 0
-    for a row without a finite maximum) are what the next step's input ids are filled from there, and `batch()`
-    waits for the host copy (`ready`: its CUDA event; None when the tokens are on the host already) and gives
-    the `SampleBatch` the engine applies, as `Sampler.sample_batch` would have."""
+class PendingDraws:
+    """A step's draws of one token per row still on their way to the host: `tokens` (on the device; 0 for a row
+    that failed) are what the next step's input ids are filled from there, and `batch()` waits for the host copy
+    (`ready`: its CUDA event; None when the tokens are on the host already) and gives the `SampleBatch` the
+    engine applies, as `Sampler.sample_batch` would have."""
 
     tokens: torch.Tensor                 # [rows] int64 on the logits' device
     host: torch.Tensor                   # [rows] int64 on the host (-1: the row failed), once `ready` has passed
     ready: Optional[object] = None       # torch.cuda.Event recorded after the copy
 
+    @classmethod
+    def of(cls, marked: torch.Tensor) -> "PendingDraws":
+        """From each row's token, -1 where the row failed: on a CUDA device a copy to pinned host memory is
+        started and an event recorded after it (nothing waits); elsewhere the tokens are the host's already."""
+        if marked.device.type != "cuda":
+            return cls(marked.clamp(min=0), marked)
+        host = torch.empty(marked.shape, dtype=marked.dtype, pin_memory=True)
+        host.copy_(marked, non_blocking=True)   # on the current stream of the tokens' device
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(marked.device))   # that stream, whichever device is current
+        return cls(marked.clamp(min=0), host, ready)
+
     def batch(self) -> "SampleBatch":
         if self.ready is not None:
             self.ready.synchronize()
-        return greedy_batch(self.host)
+        return single_draw_batch(self.host)
 
 
-def greedy_batch(host_tokens: torch.Tensor) -> "SampleBatch":
-    """The `SampleBatch` of plain greedy rows from their host tokens (-1 where a row has no finite maximum)."""
+def single_draw_batch(host_tokens: torch.Tensor) -> "SampleBatch":
+    """The `SampleBatch` of rows that draw one token each and report no log-probabilities, from their host tokens
+    (-1 where a row has no finite maximum)."""
     failed = (host_tokens < 0).nonzero().flatten().tolist()
     failures = {row: "logits row has no finite maximum (all -inf, +inf or NaN): nothing to sample" for row in failed}
     first = host_tokens.clamp(min=0) if failures else host_tokens
     return SampleBatch(first.tolist(), None, list(range(len(first) + 1)), first, failures, {}, {})
+
+
+def plain_rows(requests: List[SampleRequest]) -> bool:
+    """Every row draws one token with nothing else to compute: no processing, logprobs or scores (greedy or
+    sampled with temperature, top-k, top-p, min-p and seeds)."""
+    for r in requests:
+        p = r.params
+        if r.processed or r.num_samples != 1 or p.logprobs is not None or p.output_scores:
+            return False
+    return True
 
 
 def plain_greedy(requests: List[SampleRequest]) -> bool:
@@ -266,21 +289,27 @@ class Sampler:
 
     @staticmethod
     def _greedy_batch(logits: torch.Tensor) -> SampleBatch:
-        return greedy_batch(kernels.greedy_rows(logits, with_norms=False).tokens)   # on the host (GreedyDraws)
+        return single_draw_batch(kernels.greedy_rows(logits, with_norms=False).tokens)   # host (GreedyDraws)
 
     @staticmethod
-    def greedy_later(logits: torch.Tensor) -> PendingGreedy:
+    def greedy_later(logits: torch.Tensor) -> PendingDraws:
         """`sample_batch` for plain greedy rows without waiting for the device: their tokens stay there for the
         next step's inputs while a copy goes to the host (pinned memory, one CUDA event). On the CPU the tokens
         are ready at once (the same draws as `sample_batch`: each row's first maximum)."""
-        tokens = kernels.greedy_tokens(logits.to(torch.float32))
-        if tokens.device.type != "cuda":
-            return PendingGreedy(tokens.clamp(min=0), tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return PendingGreedy(tokens.clamp(min=0), host, ready)
+        return PendingDraws.of(kernels.greedy_tokens(logits.to(torch.float32)))
+
+    def sample_later(self, logits: torch.Tensor, requests: List[SampleRequest]) -> Optional[PendingDraws]:
+        """`sample_batch` without waiting for the device, for rows that draw one token each and report nothing
+        else (`plain_rows`; None for any other batch): the uniforms come from the same generators in the same
+        order, the truncation is decided from the host's parameters (`kernels.sample_rows_nosync`)."""
+        if not requests or not plain_rows(requests):
+            return None
+        if plain_greedy(requests):
+            return self.greedy_later(logits)
+        scores = apply_temperature(logits.to(torch.float32), requests)
+        uniforms, offsets = self._uniforms(requests)
+        tokens, failed = kernels.sample_rows_nosync(scores, *truncation_params(requests), uniforms, offsets)
+        return PendingDraws.of(tokens.masked_fill(failed, -1))   # one draw per row: draw i is row i
 
     @staticmethod
     def _top_logprobs(row: torch.Tensor, kept: int, log_norm: float, k: int) -> Dict[int, Logprob]:

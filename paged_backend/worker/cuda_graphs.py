@@ -83,6 +83,7 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {device}")
         self.forward = forward
         self.step_context = step_context
+        self.device = device
         self.stats = GraphStats(capture)
         if capture:
             backend = kernel_backend(cache_engine.kv)
@@ -137,7 +138,8 @@ class DecodeGraphs:
         self.stats.replays += 1
         self.stats.padded_rows += bucket - n
         if bucket in self.graphs:
-            self.graphs[bucket].replay()
+            with torch.cuda.device(self.device):   # the graph's device's current stream, whichever is current
+                self.graphs[bucket].replay()
             return self.outputs[bucket][:n].clone()
         return self._forward(bucket)[:n]
 
@@ -173,16 +175,17 @@ class DecodeGraphs:
         """Capture every bucket, largest first, into one memory pool; on any failure no graph is kept and every
         step runs eagerly (the reason is in `stats.error` and the log)."""
         began = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
         try:
-            for bucket in reversed(self.buckets):
-                self._capture(bucket, pool)
+            with torch.cuda.device(self.device):   # streams, pool and graphs of the cache's device
+                pool = torch.cuda.graph_pool_handle()
+                for bucket in reversed(self.buckets):
+                    self._capture(bucket, pool)
         except Exception as exc:  # noqa: BLE001 - a model whose forward cannot be captured still runs eagerly
             self.graphs.clear()
             self.outputs.clear()
             self.stats.error = f"{type(exc).__name__}: {exc}"[:2000]
             logger.warning("CUDA graph capture failed; decode steps run eagerly: %s", self.stats.error)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             return
         self.stats.buckets = list(self.buckets)
         self.stats.seconds = time.perf_counter() - began

@@ -1,0 +1,59 @@
+"""`sample_rows_nosync` (kernels/sampling_device.py): the draws of `sample_rows_torch` with every shape decided on
+the host, so a GPU never waits. Compared with the torch version on the CPU over rows that take every branch:
+greedy, top-k with ties, top-p, min-p, their mixes, -inf entries, failed rows, several draws per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from paged_backend.kernels.sampling import sample_rows_torch
+from paged_backend.kernels.sampling_device import sample_rows_nosync
+
+
+def _batch(seed: int, rows: int, vocab: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g, dtype=torch.float32) * 3
+    logits[:, : vocab // 4] = torch.round(logits[:, : vocab // 4])          # ties
+    logits[0, 5:] = float("-inf")                                           # a short row
+    top_k = torch.where(torch.rand(rows, generator=g) < 0.5, torch.randint(1, vocab + 3, (rows,), generator=g),
+                        torch.full((rows,), -1))                              # half the rows without top-k
+    top_p = torch.where(torch.rand(rows, generator=g) < 0.5, torch.rand(rows, generator=g).double(),
+                        torch.ones(rows, dtype=torch.float64))
+    min_p = torch.where(torch.rand(rows, generator=g) < 0.3, torch.rand(rows, generator=g).double() * 0.2,
+                        torch.zeros(rows, dtype=torch.float64))
+    greedy = torch.rand(rows, generator=g) < 0.2
+    counts = torch.randint(1, 3, (rows,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    uniforms = torch.rand(int(offsets[-1]), generator=g, dtype=torch.float64)
+    return logits, top_k, top_p, min_p, greedy, uniforms, offsets
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 9), vocab=st.sampled_from([7, 64, 1500, 2100]))
+def test_nosync_draws_are_the_torch_versions(seed, rows, vocab):
+    args = _batch(seed, rows, vocab)
+    want = sample_rows_torch(*args)
+    tokens, failed = sample_rows_nosync(*args)
+    assert not failed.any()
+    assert torch.equal(tokens, want.tokens)
+
+
+def test_failed_rows_are_marked_and_leave_the_others_alone():
+    logits, top_k, top_p, min_p, greedy, uniforms, offsets = _batch(3, 6, 300)
+    want = sample_rows_torch(logits, top_k, top_p, min_p, greedy, uniforms, offsets)
+    logits = logits.clone()
+    logits[2] = float("nan")
+    logits[4] = float("-inf")
+    tokens, failed = sample_rows_nosync(logits, top_k, top_p, min_p, greedy, uniforms, offsets)
+    assert failed.tolist() == [False, False, True, False, True, False]
+    keep = torch.cat([torch.arange(int(offsets[r]), int(offsets[r + 1])) for r in (0, 1, 3, 5)])
+    assert torch.equal(tokens[keep], want.tokens[keep])
+
+
+def test_parameters_on_a_device_are_refused():
+    args = list(_batch(1, 2, 16))
+    args[1] = args[1].to("meta")
+    with pytest.raises(ValueError, match="top_k must be on the host"):
+        sample_rows_nosync(*args)
