@@ -18,6 +18,8 @@ import torch
 
 from .sampling import _draw, _kept_prefix, _row_maxima, check_rows
 
+SORTED_ELEMENTS = 1 << 22   # logits sorted at once (rows x vocab): float64 temporaries of 32 MiB each
+
 
 def sample_rows_nosync(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                        greedy: torch.Tensor, uniforms: torch.Tensor,
@@ -40,11 +42,15 @@ def sample_rows_nosync(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     kept = torch.full((rows,), vocab, dtype=torch.long, device=device)
     boundary = None
     if truncated.numel():
-        index = truncated.to(device, non_blocking=True)
-        values = logits[index].sort(dim=-1, descending=True).values
-        kept[index], boundary = _kept_of_sorted(values, maxima[index], top_k[truncated].to(device, non_blocking=True),
-                                                top_p[truncated].to(device, non_blocking=True),
-                                                min_p[truncated].to(device, non_blocking=True))
+        ends = []
+        for chunk in truncated.split(max(1, SORTED_ELEMENTS // vocab)):   # a bounded transient per chunk
+            index = chunk.to(device, non_blocking=True)
+            values = logits[index].sort(dim=-1, descending=True).values
+            kept[index], end = _kept_of_sorted(values, maxima[index], top_k[chunk].to(device, non_blocking=True),
+                                               top_p[chunk].to(device, non_blocking=True),
+                                               min_p[chunk].to(device, non_blocking=True))
+            ends.append(end)
+        boundary = torch.cat(ends)
     counts = draw_offsets[1:] - draw_offsets[:-1]
     row_of_draw = torch.repeat_interleave(torch.arange(rows), counts)
     tokens, _ = _draw(logits, maxima, kept, uniforms.to(device, torch.float64, non_blocking=True),

@@ -57,3 +57,14 @@ def test_parameters_on_a_device_are_refused():
     args[1] = args[1].to("meta")
     with pytest.raises(ValueError, match="top_k must be on the host"):
         sample_rows_nosync(*args)
+
+
+def test_truncated_rows_are_sorted_in_bounded_chunks(monkeypatch):
+    # a large vocabulary times many rows would sort gigabytes at once on a GPU: rows go in chunks, same draws
+    from paged_backend.kernels import sampling_device
+
+    args = _batch(7, 9, 1500)
+    want, _ = sample_rows_nosync(*args)
+    monkeypatch.setattr(sampling_device, "SORTED_ELEMENTS", 2 * 1500)   # two rows per chunk
+    got, failed = sample_rows_nosync(*args)
+    assert torch.equal(got, want) and not failed.any()
