@@ -22,11 +22,12 @@ def test_the_overlap_timing_on_the_cpu_reports_both_ways_with_the_same_tokens(mo
     monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
     model, _ = get_model("tiny-llama", torch.float32)
     rows = gpu_overlap.compare(model, (2,), steps=3, device="cpu")
-    assert [r["overlap"] for r in rows] == [False, True] and all(r["same_tokens"] for r in rows), rows
+    rows += gpu_overlap.compare(model, (2,), steps=3, device="cpu", sampled=True)   # seeded: the same both ways
+    assert [r["overlap"] for r in rows] == [False, True] * 2 and all(r["same_tokens"] for r in rows), rows
     assert all(0 < r["device_ms_per_step"] and 0 < r["device_busy"] <= 1 for r in rows), rows
     assert all(r["between_forwards_ms"] >= 0 and r["engine_thread_cpu_ms"] > 0 and r["forward_thread_cpu_ms"] > 0
                for r in rows), rows
-    assert "| 2 | off | on |" in gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "rows": rows})
+    assert "| 2 | greedy | off | on |" in gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "rows": rows})
 
 
 def test_the_graph_token_check_on_the_cpu_runs_the_padded_steps(monkeypatch):

@@ -87,7 +87,7 @@ class TimedRunner:
 
 
 def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: bool = False,
-            device_fill: bool = True) -> dict:
+            device_fill: bool = True, sampled: bool = False) -> dict:
     """Decode steps of `batch` greedy sequences: wall and device time per step, and the tokens. `device_fill`
     False: the worker waits for each step's tokens on the host and fills the next step's inputs there (as before
     `StepInputs.device_fill`)."""
@@ -99,7 +99,8 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: b
     captured = engine.runner.graphs is not None and engine.runner.graphs.stats.error is None
     timed = engine.runner = TimedRunner(engine.runner, device, device_fill)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True, **(
+            dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else dict(temperature=0))))
     for _ in range(4):   # prefill, then decoding
         engine.step()
     gpu_engine._sync()
@@ -123,22 +124,23 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: b
     if errors:
         raise RuntimeError(f"{len(errors)} of {batch} requests failed; the first: {errors[0]}")
     return {"batch": batch, "overlap": overlap, "graphs": captured, "device_fill": timed.fills_on_device,
-            "step_ms": wall_ms / steps,
+            "sampled": sampled, "step_ms": wall_ms / steps,
             "device_ms_per_step": device_ms / steps, "device_busy": min(1.0, device_ms / wall_ms),
             "between_forwards_ms": gap_ms, "engine_thread_cpu_ms": engine_cpu_ms / steps,
             "forward_thread_cpu_ms": worker_cpu_ms,
             "tokens": [finals[str(i)] for i in range(batch)]}
 
 
-def compare(model, batches: Sequence[int], steps: int, device: str, graphs: Sequence[bool] = (False,)) -> List[dict]:
+def compare(model, batches: Sequence[int], steps: int, device: str, graphs: Sequence[bool] = (False,),
+            sampled: bool = False) -> List[dict]:
     """Per batch and graph setting, overlap off then on (same tokens required); `eager_tokens` says whether the
     graph runs' tokens equal the eager ones."""
     rows = []
     for batch in batches:
         eager_tokens = None
         for graph in graphs:
-            off = measure(model, batch, False, steps, device, graph)
-            on = measure(model, batch, True, steps, device, graph)
+            off = measure(model, batch, False, steps, device, graph, sampled=sampled)
+            on = measure(model, batch, True, steps, device, graph, sampled=sampled)
             tokens = off.pop("tokens")
             same = tokens == on.pop("tokens")
             if eager_tokens is None:
@@ -148,7 +150,7 @@ def compare(model, batches: Sequence[int], steps: int, device: str, graphs: Sequ
                                                                               same_as_eager=as_eager)]
             print(rows[-2], rows[-1], flush=True)
             if graph:   # the same overlapped steps with the host fill, for the difference the device fill makes
-                host = measure(model, batch, True, steps, device, graph, device_fill=False)
+                host = measure(model, batch, True, steps, device, graph, device_fill=False, sampled=sampled)
                 same_host = host.pop("tokens") == tokens
                 rows.append(dict(host, same_tokens=same_host, same_as_eager=same_host and as_eager))
                 print(rows[-1], flush=True)
@@ -208,12 +210,14 @@ def _guarded(check, *args) -> dict:
 
 def report_markdown(result: dict) -> str:
     lines = [f"# Overlapped scheduling and CUDA graphs on {result['device']}", "", result["model"], "",
-             "| sequences | CUDA graphs | overlap | device fill | step ms | device ms per step | device busy | same "
-             "tokens, overlap on/off | same tokens as eager | between forwards ms | engine thread CPU ms | forward "
-             "thread CPU ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| sequences | rows | CUDA graphs | overlap | device fill | step ms | device ms per step | device busy | "
+             "same tokens, overlap on/off | same tokens as eager | between forwards ms | engine thread CPU ms | "
+             "forward thread CPU ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result.get("rows", []):
-        lines.append(f"| {r['batch']} | {'on' if r.get('graphs') else 'off'} | {'on' if r['overlap'] else 'off'} | "
-                     f"{'on' if r.get('device_fill') else 'off'} | {r['step_ms']:.2f} | {r['device_ms_per_step']:.2f} | {100 * r['device_busy']:.0f}% | "
+        lines.append(f"| {r['batch']} | {'top-p 0.95' if r.get('sampled') else 'greedy'} | "
+                     f"{'on' if r.get('graphs') else 'off'} | {'on' if r['overlap'] else 'off'} | "
+                     f"{'on' if r.get('device_fill') else 'off'} | {r['step_ms']:.2f} | "
+                     f"{r['device_ms_per_step']:.2f} | {100 * r['device_busy']:.0f}% | "
                      f"{'yes' if r['same_tokens'] else 'NO'} | {'yes' if r.get('same_as_eager', True) else 'no'} | "
                      + " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in
                                   ("between_forwards_ms", "engine_thread_cpu_ms", "forward_thread_cpu_ms")) + " |")
@@ -241,6 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="running sequences, comma-separated")
     parser.add_argument("--skip-graph-tokens", action="store_true", help="time only (no replay-versus-eager check)")
+    parser.add_argument("--sampled-batches", default="64",
+                        help="running sequences of the sampled rows (temperature 0.8, top-p 0.95, seeded)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_overlap needs a CUDA GPU (none found); nothing was run.", file=sys.stderr)
@@ -251,6 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model = gpu_engine.llama_1b()
         batches = [int(b) for b in args.batches.split(",") if b]
         result["rows"] = compare(model, batches, args.steps, "cuda", graphs=(False, True))
+        sampled = [int(b) for b in args.sampled_batches.split(",") if b]   # seeded top-p rows, graphs on
+        result["rows"] += compare(model, sampled, args.steps, "cuda", graphs=(True,), sampled=True)
         if not args.skip_graph_tokens:
             torch.backends.cuda.matmul.allow_tf32 = False
             from paged_backend.worker.loader import load_model
