@@ -32,10 +32,18 @@ def pytest_addoption(parser):
     parser.addoption("--async-scheduling", choices=("on", "off", "default"), default="default",
                      help="every engine built in this process without an explicit async_scheduling runs with "
                           "overlapped scheduling on or off (default: the engine's own default)")
+    parser.addoption("--device-fill", action="store_true",
+                     help="every model runner takes the GPU's path for the next step's input ids (the tokens stay "
+                          "where they were drawn; StepInputs.device_fill), with host tensors")
 
 
 def pytest_configure(config):
-    """`--async-scheduling on|off`: the whole suite with overlapped scheduling forced either way."""
+    """`--async-scheduling on|off`: the whole suite with overlapped scheduling forced either way; `--device-fill`:
+    with every runner filling pending input ids as on a GPU."""
+    if config.getoption("--device-fill"):
+        from paged_backend.worker.model_runner import ModelRunner
+
+        ModelRunner.fills_on_device = property(lambda self: True, lambda self, value: None)
     mode = config.getoption("--async-scheduling")
     if mode == "default":
         return

@@ -32,7 +32,7 @@ from paged_backend.worker.loader import TINY_PRESETS, load_model
 
 from paged_backend.benchmarks.harness.provenance import load_average
 from paged_backend.benchmarks.paper.hf_baselines import collect_finished
-from paged_backend.benchmarks.harness.report import conditions, now
+from paged_backend.benchmarks.harness.report import conditions, conditions_line, now
 
 DEVICE = "cuda"   # a CPU smoke run of the script sets "cpu"
 FIDELITY_PROMPT_LENS = (5, 19, 40)      # longer than the families' 8-token windows
@@ -502,7 +502,7 @@ def _ratio(ratio: Optional[dict]) -> str:
 
 
 def report_markdown(result: dict) -> str:
-    lines = [f"# The engine on {result['device']}", ""]
+    lines = [f"# The engine on {result['device']}", ""] + _conditions(result)
     lines += ["## Greedy tokens against transformers on the same GPU (float32, TF32 off)", "",
               "| model | same tokens | note |", "| --- | --- | --- |"]
     for name, row in result.get("fidelity", {}).items():
@@ -565,6 +565,13 @@ def report_markdown(result: dict) -> str:
     elif tp:
         lines += ["", f"## Throughput: FAILED: {tp['error']}"]
     return "\n".join(lines) + "\n"
+
+
+def _conditions(result: dict) -> List[str]:
+    """The record's commit, machine and versions as the report's first line (with the device's torch build)."""
+    if "conditions" not in result:
+        return []
+    return [conditions_line(result["conditions"]) + f"; device {result['device']}, torch {result.get('torch')}", ""]
 
 
 def _yes(value: Optional[bool]) -> str:

@@ -209,7 +209,8 @@ def _guarded(check, *args) -> dict:
 
 
 def report_markdown(result: dict) -> str:
-    lines = [f"# Overlapped scheduling and CUDA graphs on {result['device']}", "", result["model"], "",
+    lines = [f"# Overlapped scheduling and CUDA graphs on {result['device']}", ""] + gpu_engine._conditions(result) + [
+             result["model"], "",
              "| sequences | rows | CUDA graphs | overlap | device fill | step ms | device ms per step | device busy | "
              "same tokens, overlap on/off | same tokens as eager | between forwards ms | engine thread CPU ms | "
              "forward thread CPU ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
