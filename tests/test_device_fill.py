@@ -78,10 +78,11 @@ def _run(engine: LLMEngine, work) -> dict:
     return {rid: ([list(c.token_ids) for c in out.outputs], out.error) for rid, out in finals.items()}
 
 
-@pytest.mark.parametrize("mode, buckets", [("swap", True), ("recompute", False)])
-def test_device_fills_give_the_plain_engines_outputs_under_pressure(monkeypatch, counted, mode, buckets):
+@pytest.mark.parametrize("mode, buckets, dtype", [("swap", True, torch.float64), ("recompute", False, torch.float64),
+                                                  ("swap", False, torch.float32)])
+def test_device_fills_give_the_plain_engines_outputs_under_pressure(monkeypatch, counted, mode, buckets, dtype):
     options = dict(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, preemption_mode=mode,
-                   **({"num_swap_blocks": 64} if mode == "swap" else {}))
+                   dtype=dtype, **({"num_swap_blocks": 64} if mode == "swap" else {}))
     work = _workload(5)
     want = _run(_engine(monkeypatch, False, False, async_scheduling=False, **options), work)
     engine = _engine(monkeypatch, buckets, True, **options)
