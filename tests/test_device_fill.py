@@ -151,3 +151,18 @@ def test_pending_greedy_tokens_are_the_samplers_greedy_draws():
     assert (got.tokens, got.offsets, got.failures, got.first_tokens.tolist()) == \
         (want.tokens, want.offsets, want.failures, want.first_tokens.tolist())
     assert set(got.failures) == {1, 3} and got.logprobs is None
+
+
+def test_best_of_samples_are_still_ranked_by_their_log_probabilities(monkeypatch, counted):
+    # best_of > n ranks its samples by cumulative log-probability: their rows must keep computing it (a found
+    # bug: after the first step forked them, each drew one token as a plain row and their sums stopped)
+    work = [(str(i), [5 + i, 9, 14, 3 + i], SamplingParams(n=1, best_of=3, temperature=0.9, seed=7 + i,
+                                                          max_tokens=10, ignore_eos=True)) for i in range(3)]
+    options = dict(num_blocks=64, block_size=4, max_num_seqs=12)
+
+    def outputs(engine):
+        finals = run_requests(engine, work, max_steps=500)
+        return {rid: [(list(c.token_ids), c.cumulative_logprob) for c in out.outputs] for rid, out in finals.items()}
+    want = outputs(_engine(monkeypatch, False, False, async_scheduling=False, **options))
+    assert outputs(_engine(monkeypatch, False, True, **options)) == want
+    assert all(c[1] is not None and c[1] < 0 for out in want.values() for c in out)

@@ -132,11 +132,11 @@ def single_draw_batch(host_tokens: torch.Tensor) -> "SampleBatch":
 
 
 def plain_rows(requests: List[SampleRequest]) -> bool:
-    """Every row draws one token with nothing else to compute: no processing, logprobs or scores (greedy or
-    sampled with temperature, top-k, top-p, min-p and seeds)."""
+    """Every row draws one token with nothing else to compute: no processing, log-probabilities (asked for, or
+    ranking best_of > n samples) or scores (greedy, or sampled with temperature, top-k, top-p, min-p and seeds)."""
     for r in requests:
         p = r.params
-        if r.processed or r.num_samples != 1 or p.logprobs is not None or p.output_scores:
+        if r.processed or r.num_samples != 1 or p.reports_logprobs or p.output_scores:
             return False
     return True
 
