@@ -27,6 +27,7 @@ import torch
 
 CANDIDATES = 1024        # candidates per top-p / min-p row before the exact fallback (torch version)
 CDF_BLOCK = 1024         # tokens per block of the two-level CDF of untruncated rows (torch version)
+CHUNK_ELEMENTS = 1 << 22  # logits per chunk of rows in the passes whose temporaries are 8 bytes a logit
 
 
 @dataclass
@@ -179,10 +180,14 @@ def _draw(logits: torch.Tensor, maxima: torch.Tensor, kept: torch.Tensor, unifor
         index, boundary = (kept < vocab).nonzero().flatten(), None
     else:
         index, boundary = truncated
-    if index.numel():
-        e[index, :vocab] *= kept_mask(logits[index], kept[index], boundary)
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))   # rows per chunk: a bounded transient on a GPU
+    for start in range(0, index.shape[0], step):
+        part = index[start:start + step]
+        e[part, :vocab] *= kept_mask(logits[part], kept[part], None if boundary is None else
+                                     boundary[start:start + step])
     e = e.view(rows, blocks, CDF_BLOCK)
-    block_mass = e.sum(-1, dtype=torch.float64)
+    block_mass = torch.cat([chunk.sum(-1, dtype=torch.float64) for chunk in e.split(step)]) if rows else \
+        e.sum(-1, dtype=torch.float64)
     block_cdf = block_mass.cumsum(-1)
     total = block_cdf[:, -1]
     last_block = blocks - 1 - (block_mass.flip(-1) > 0).int().argmax(-1)   # the last block holding a kept token

@@ -16,9 +16,9 @@ from typing import Tuple
 
 import torch
 
-from .sampling import _draw, _kept_prefix, _row_maxima, check_rows
+from .sampling import CHUNK_ELEMENTS, _draw, _kept_prefix, _row_maxima, check_rows
 
-SORTED_ELEMENTS = 1 << 22   # logits sorted at once (rows x vocab): float64 temporaries of 32 MiB each
+SORTED_ELEMENTS = CHUNK_ELEMENTS   # logits sorted at once (rows x vocab): float64 temporaries of 32 MiB each
 
 
 def sample_rows_nosync(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,

@@ -68,3 +68,36 @@ def test_truncated_rows_are_sorted_in_bounded_chunks(monkeypatch):
     monkeypatch.setattr(sampling_device, "SORTED_ELEMENTS", 2 * 1500)   # two rows per chunk
     got, failed = sample_rows_nosync(*args)
     assert torch.equal(got, want) and not failed.any()
+
+
+def test_the_draw_masks_and_sums_rows_in_bounded_chunks(monkeypatch):
+    # the inverse CDF's float64 and int64 temporaries are rows x vocab: chunked by rows, for both samplers
+    from paged_backend.kernels import sampling
+
+    args = _batch(11, 9, 1500)
+    want_torch, (want, _) = sample_rows_torch(*args), sample_rows_nosync(*args)
+    monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", 2 * 1500)   # two rows per chunk
+    assert torch.equal(sample_rows_torch(*args).tokens, want_torch.tokens)
+    assert torch.equal(sample_rows_nosync(*args)[0], want)
+
+
+def test_a_sampled_batch_reads_nothing_back_from_the_device(monkeypatch):
+    # on a meta device every read of a value raises (.item(), nonzero(), tolist()); and a tensor made on a GPU
+    # from host values waits for its stream (a found wait: the temperatures), so none may be made there
+    from paged_backend import SamplingParams
+    from paged_backend.sampling.sampler import SampleRequest, Sampler
+
+    made = torch.tensor
+
+    def host_only(*args, device=None, **kwargs):
+        assert device is None or torch.device(device).type == "cpu", f"a tensor made on {device} waits for it"
+        return made(*args, **kwargs)
+    monkeypatch.setattr(torch, "tensor", host_only)
+
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.3, top_k=5, min_p=0.1), SamplingParams(temperature=0.5)]
+    requests = [SampleRequest(p, None, generator=torch.Generator().manual_seed(i) if p.seed else None,
+                              processed=False) for i, p in enumerate(params)]
+    pending = Sampler().sample_later(torch.empty(4, 300, device="meta"), requests)
+    assert pending.tokens.shape == (4,) and pending.tokens.device.type == "meta"
+    assert Sampler().sample_later(torch.empty(2, 300, device="meta"), requests[1:2] * 2).tokens.shape == (2,)

@@ -217,7 +217,8 @@ def apply_temperature(logits: torch.Tensor, requests: List[SampleRequest]) -> to
     """Divide sampled rows by their temperature, in place (greedy rows are left as they are)."""
     temps = [1.0 if r.params.temperature < 1e-6 else r.params.temperature for r in requests]
     if any(t != 1.0 for t in temps):
-        logits.div_(torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None])
+        # built on the host and sent without a wait (a tensor made on a GPU directly waits for its stream)
+        logits.div_(torch.tensor(temps, dtype=logits.dtype).to(logits.device, non_blocking=True)[:, None])
     return logits
 
 

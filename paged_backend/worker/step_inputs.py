@@ -34,7 +34,7 @@ class DeviceFill:
     def apply(self, input_ids: torch.Tensor) -> None:
         device = self.tokens.device
         input_ids[self.positions.to(device, non_blocking=True)] = \
-            self.tokens[self.rows.to(device, non_blocking=True)].to(input_ids.device)
+            self.tokens[self.rows.to(device, non_blocking=True)].to(input_ids.device, non_blocking=True)
 
 
 @dataclass
