@@ -70,8 +70,8 @@ def test_a_pressure_mismatch_names_the_requests_and_reruns_each_path(monkeypatch
     assert not row["same"] and row["requests_same"] == 11 and row["num_errors"] == 0, row   # the rest match
     assert row["swap_preemptions"] > 0 and row["free_blocks_after"] == row["blocks"], row
     assert row["differing"] == [{"request": 4, "kind": "sampled, n=3", "first_difference": [1, 2]}], row
-    assert (row["eager_requests_same"], row["no_overlap_requests_same"], row["eager_no_overlap_requests_same"],
-            row["alone_eager_no_overlap_same"]) == (12, 12, 12, 12), row
+    assert (row["eager_requests_same"], row["no_overlap_requests_same"], row["host_fill_requests_same"],
+            row["eager_no_overlap_requests_same"], row["alone_eager_no_overlap_same"]) == (12, 12, 12, 12, 12), row
     report = gpu_engine.report_markdown({"device": "cpu", "fidelity": {}, "pressure": {"swap": row}})
     assert "4 (sampled, n=3, [1, 2])" in report and "eager 12, without overlap 12" in report
 

@@ -139,7 +139,14 @@ def _texts(outputs) -> List[List[List[int]]]:
 PRESSURE_KINDS = ("greedy", "sampled, n=3", "beams, n=2")   # request i is of kind i % 3 (_pressure_workload)
 # engine options of the reruns that say which part a mismatch under pressure comes from
 PRESSURE_VARIANTS = {"eager": {"enforce_eager": True}, "no_overlap": {"async_scheduling": False},
-                     "eager_no_overlap": {"enforce_eager": True, "async_scheduling": False}}
+                     "host_fill": {"host_fill": True},
+                     "eager_no_overlap": {"enforce_eager": True, "async_scheduling": False, "host_fill": True}}
+
+
+def _host_fill(llm) -> None:
+    """The engine's steps sample with host reads and fill the next step's inputs on the host (as before
+    `StepInputs.device_fill`), whatever the device."""
+    llm.engine.runner.fills_on_device = False
 
 
 def _first_difference(got: List[List[int]], want: List[List[int]]) -> List[int]:
@@ -153,9 +160,11 @@ def _first_difference(got: List[List[int]], want: List[List[int]]) -> List[int]:
     return [min(len(got), len(want)), 0]
 
 
-def _tight_run(model, tokenizer, work, mode: str, **options):
+def _tight_run(model, tokenizer, work, mode: str, host_fill: bool = False, **options):
     llm = LLM(model, tokenizer=tokenizer, device=DEVICE, num_blocks=20, preemption_mode=mode,
               **({"num_swap_blocks": 256} if mode == "swap" else {}), **options)
+    if host_fill:
+        _host_fill(llm)
     outputs = llm.generate([p for p, _ in work], [params for _, params in work], use_tqdm=False)
     return outputs, llm.get_stats()
 
@@ -163,8 +172,8 @@ def _tight_run(model, tokenizer, work, mode: str, **options):
 def check_pressure(mode: str, diagnose: bool = True) -> dict:
     """Mixed requests on 20 blocks of 16 (preempting by `mode`) against each request alone on a large cache.
     Where they differ: which requests (kind, first differing token), and, with `diagnose`, the same pressure run
-    again eagerly, without overlap and both (how many requests then match), and whether the requests alone are
-    the same run eagerly without overlap (float32 rounding of other batch shapes, or a bug of one path)."""
+    again eagerly, without overlap, with the host fill, and all three (how many requests then match), and whether
+    the requests alone are the same run that way (float32 rounding of other batch shapes, or a bug of one path)."""
     model, tokenizer = load_model("tiny-llama", dtype=torch.float32, device=DEVICE)
     work = _pressure_workload(model.config.vocab_size)
     alone = LLM(model, tokenizer=tokenizer, device=DEVICE, num_blocks=512)
@@ -185,6 +194,7 @@ def check_pressure(mode: str, diagnose: bool = True) -> dict:
     if diagnose and not all(same):
         plain = LLM(model, tokenizer=tokenizer, device=DEVICE, num_blocks=512, enforce_eager=True,
                     async_scheduling=False)
+        _host_fill(plain)
         result["alone_eager_no_overlap_same"] = sum(
             _texts(plain.generate([p], params, use_tqdm=False))[0] == w for (p, params), w in zip(work, want))
         for name, options in PRESSURE_VARIANTS.items():
@@ -250,9 +260,10 @@ def compare_completions(a, b) -> dict:
 
 
 def check_features(device: Optional[str] = None) -> dict:
-    """The feature workload on the device's default engine (CUDA graphs, overlapped steps) against an eager
-    engine without overlap on the same device and weights (float32, TF32 off): every output the same, no request
-    failed; then greedy requests with n-gram speculative decoding against the same requests without it."""
+    """The feature workload on the device's default engine (CUDA graphs, overlapped steps, tokens left on the
+    device for the next step) against an eager engine without overlap that samples and fills on the host, on the
+    same device and weights (float32, TF32 off): every output the same, no request failed; then greedy requests
+    with n-gram speculative decoding against the same requests without it."""
     device = device or DEVICE
     try:
         import xgrammar  # noqa: F401
@@ -262,14 +273,16 @@ def check_features(device: Optional[str] = None) -> dict:
     model, tokenizer = load_model("tiny-llama", dtype=torch.float32, device=device)
     work = _feature_workload(model.config.vocab_size, structured)
 
-    def outputs(**options):
+    def outputs(host_fill: bool = False, **options):
         llm = LLM(model, tokenizer=tokenizer, device=device, num_blocks=256, **options)
+        if host_fill:
+            _host_fill(llm)
         got = llm.generate([p for _, p, _ in work], [params for _, _, params in work], use_tqdm=False)
         graphs = llm.engine.runner.graphs
         return got, (graphs.stats.replays if graphs is not None else 0)
 
     fast, replays = outputs()
-    plain, _ = outputs(enforce_eager=True, async_scheduling=False)
+    plain, _ = outputs(host_fill=True, enforce_eager=True, async_scheduling=False)
     rows = {}
     for (name, _, _), a, b in zip(work, fast, plain):
         rows[name] = compare_completions(a, b)
@@ -516,7 +529,7 @@ def report_markdown(result: dict) -> str:
         lines.append(f"| {name} | {'yes' if row['same'] else 'NO'} | {note} |")
     features = result.get("features")
     if features:
-        lines += ["", "## Features: default engine (CUDA graphs, overlap) against eager without overlap, same device",
+        lines += ["", "## Features: default engine (CUDA graphs, overlap, device fill) against eager without overlap, host fill",
                   "", f"| request | same outputs | same tokens | largest log-prob difference (tolerance "
                   f"{LOGPROB_TOLERANCE:g}) | error |", "| --- | --- | --- | --- | --- |"]
         for name, row in features.get("rows", {}).items():
@@ -546,9 +559,10 @@ def report_markdown(result: dict) -> str:
                 f"{d['request']} ({d['kind']}, {d['first_difference']})" for d in row["differing"])]
         if "eager_requests_same" in row:
             lines.append(f"{mode} again, requests the same of {row['requests']}: eager {row['eager_requests_same']}, "
-                         f"without overlap {row['no_overlap_requests_same']}, eager without overlap "
-                         f"{row['eager_no_overlap_requests_same']}; the requests alone, eager without overlap, the "
-                         f"same as alone by default: {row['alone_eager_no_overlap_same']}.")
+                         f"without overlap {row['no_overlap_requests_same']}, host fill "
+                         f"{row['host_fill_requests_same']}, eager without overlap with the host fill "
+                         f"{row['eager_no_overlap_requests_same']}; the requests alone, eager without overlap with "
+                         f"the host fill, the same as alone by default: {row['alone_eager_no_overlap_same']}.")
     tp = result.get("throughput")
     if tp and "error" not in tp:
         lines += ["", f"## Throughput: {tp['model']}, {tp['requests']} requests", "",
