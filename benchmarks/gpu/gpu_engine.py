@@ -529,7 +529,8 @@ def report_markdown(result: dict) -> str:
         lines.append(f"| {name} | {'yes' if row['same'] else 'NO'} | {note} |")
     features = result.get("features")
     if features:
-        lines += ["", "## Features: default engine (CUDA graphs, overlap, device fill) against eager without overlap, host fill",
+        lines += ["", "## Features: default engine (CUDA graphs, overlap, device fill) against eager without "
+                      "overlap, host fill",
                   "", f"| request | same outputs | same tokens | largest log-prob difference (tolerance "
                   f"{LOGPROB_TOLERANCE:g}) | error |", "| --- | --- | --- | --- | --- |"]
         for name, row in features.get("rows", {}).items():
