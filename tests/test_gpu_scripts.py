@@ -130,7 +130,8 @@ def test_the_session_script_lays_out_the_package_and_reaches_each_part(tmp_path)
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, GPU_PARTS="throughput engine overlap", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    env = dict(os.environ, GPU_PARTS="throughput engine overlap",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                ENGINE_ARGS="--presets tiny-llama", OVERLAP_ARGS="--batches 2 --steps 2 --skip-graph-tokens",
                THROUGHPUT_ARGS="--throughput-requests 4")   # docs/gpu.md's options: argparse takes them first
     done = subprocess.run(["bash", "benchmarks/gpu/gpu_session.sh", str(tmp_path)], cwd=root, env=env,

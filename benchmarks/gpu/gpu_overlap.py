@@ -213,7 +213,7 @@ def report_markdown(result: dict) -> str:
              result["model"], "",
              "| sequences | rows | CUDA graphs | overlap | device fill | step ms | device ms per step | device busy | "
              "same tokens, overlap on/off | same tokens as eager | between forwards ms | engine thread CPU ms | "
-             "forward thread CPU ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "forward thread CPU ms |", "|" + " --- |" * 13]
     for r in result.get("rows", []):
         lines.append(f"| {r['batch']} | {'top-p 0.95' if r.get('sampled') else 'greedy'} | "
                      f"{'on' if r.get('graphs') else 'off'} | {'on' if r['overlap'] else 'off'} | "
