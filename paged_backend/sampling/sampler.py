@@ -131,14 +131,16 @@ def single_draw_batch(host_tokens: torch.Tensor) -> "SampleBatch":
     return SampleBatch(first.tolist(), None, list(range(len(first) + 1)), first, failures, {}, {})
 
 
-def plain_rows(requests: List[SampleRequest]) -> bool:
-    """Every row draws one token with nothing else to compute: no processing, log-probabilities (asked for, or
-    ranking best_of > n samples) or scores (greedy, or sampled with temperature, top-k, top-p, min-p and seeds)."""
+def plain_rows(requests: List[SampleRequest]) -> Optional[bool]:
+    """Whether every row draws one token with nothing else to compute (no processing, log-probabilities asked for
+    or ranking best_of > n samples, or scores): None if not, else whether they are all greedy (one pass)."""
+    greedy = True
     for r in requests:
         p = r.params
         if r.processed or r.num_samples != 1 or p.reports_logprobs or p.output_scores:
-            return False
-    return True
+            return None
+        greedy = greedy and p.temperature < 1e-6
+    return greedy
 
 
 def plain_greedy(requests: List[SampleRequest]) -> bool:
@@ -303,9 +305,10 @@ class Sampler:
         """`sample_batch` without waiting for the device, for rows that draw one token each and report nothing
         else (`plain_rows`; None for any other batch): the uniforms come from the same generators in the same
         order, the truncation is decided from the host's parameters (`kernels.sample_rows_nosync`)."""
-        if not requests or not plain_rows(requests):
+        greedy = plain_rows(requests) if requests else None
+        if greedy is None:
             return None
-        if plain_greedy(requests):
+        if greedy:
             return self.greedy_later(logits)
         scores = apply_temperature(logits.to(torch.float32), requests)
         uniforms, offsets = self._uniforms(requests)
