@@ -274,13 +274,18 @@ def test_a_plain_greedy_step_skips_the_log_normalisers(dtype, monkeypatch):
     from paged_backend import kernels
 
     calls = []
-    real = kernels.greedy_rows
+    real, tokens_only = kernels.greedy_rows, kernels.greedy_tokens
 
     def recording(logits, with_norms=True, *args, **kwargs):
         calls.append(with_norms)
         return real(logits, with_norms, *args, **kwargs)
 
+    def recording_tokens(logits):   # the GPU's path (`pytest --device-fill`): maxima only, by construction
+        calls.append(False)
+        return tokens_only(logits)
+
     monkeypatch.setattr(kernels, "greedy_rows", recording)
+    monkeypatch.setattr(kernels, "greedy_tokens", recording_tokens)
     llm = make_llm(dtype=dtype)
     llm.generate([PROMPT, "Hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert calls and not any(calls)
