@@ -62,6 +62,7 @@ def _patches(engine: LLMEngine) -> list:
     bm = engine.block_manager
     patches = [(engine.scheduler, "schedule", "schedule"), (engine, "_step_inputs", "prepare_inputs"),
                (engine.sampler, "sample", "sampling"), (engine.sampler, "sample_batch", "sampling"),
+               (engine.sampler, "sample_later", "sampling"),
                (engine.tokens, "launch", "tokens"), (engine.tokens, "process", "tokens"),
                (engine, "_outputs_of", "outputs"), (engine.scheduler, "free_finished", "free"),
                (engine.runner, "execute", "runner")]
@@ -141,7 +142,7 @@ def time_steps(model, tokenizer, prompts: List[List[int]], config, overlap: Opti
         spans, first = engine.runner.device_spans, len(engine.runner.device_spans)
         times = []
         with timed_phases(engine, timer) if timer is not None else contextlib.nullcontext(), \
-                _durations(engine.tokens, "sample", sampling):
+                _durations(engine.tokens, "sample", sampling), _durations(engine.tokens, "sample_later", sampling):
             for _ in range(config.host_steps):
                 start = time.perf_counter()
                 engine.step()

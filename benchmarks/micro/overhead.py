@@ -57,6 +57,7 @@ def instrumented(engine: LLMEngine, timer: ExclusiveTimer) -> Iterator[None]:
     bm = engine.block_manager
     patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "forward"),
                (engine.sampler, "sample", "sampling"), (engine.sampler, "sample_batch", "sampling"),
+               (engine.sampler, "sample_later", "sampling"),
                (engine.tokens, "process", "bookkeeping"), (engine.tokens, "launch", "bookkeeping"),
                (engine_module, "prepare_inputs", "prepare_inputs"), (engine, "_step_inputs", "prepare_inputs"),
                (kernels, "attend_and_cache", "attention"), (kernels, "plan_attention", "attention")]
