@@ -57,13 +57,18 @@ def _engine(monkeypatch, buckets: bool, on_device: bool, **options) -> LLMEngine
     return engine
 
 
-def _workload(seed: int, greedy_only: bool = False):
+def _workload(seed: int, plain_only: bool = False):
+    """Greedy, n = 2 seeded sampling and beam requests; `plain_only`: greedy and seeded top-p requests alternating
+    (every row of every step takes the device path)."""
     rng = random.Random(seed)
     work = []
     for i in range(10):
         prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(3, 30))]
-        kind = 0 if greedy_only else i % 5
-        if kind in (0, 3, 4):
+        kind = (0 if i % 2 else 5) if plain_only else i % 5
+        if kind == 5:
+            params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=rng.randrange(8, 36),
+                                    ignore_eos=True)
+        elif kind in (0, 3, 4):
             params = SamplingParams(temperature=0, max_tokens=rng.randrange(8, 36), ignore_eos=True)
         elif kind == 1:
             params = SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=rng.randrange(4, 16), ignore_eos=True)
@@ -95,13 +100,15 @@ def test_device_fills_give_the_plain_engines_outputs_under_pressure(monkeypatch,
     assert_no_leaks(engine)
 
 
-def test_a_row_without_a_finite_maximum_fails_its_request_alone(monkeypatch, counted):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_row_without_a_finite_maximum_fails_its_request_alone(monkeypatch, counted, dtype):
     # request "2"'s logits row turns NaN at its 4th token: it fails ("no finite maximum"), its pending token fills
-    # the next step's input with 0 (a row computed in vain), and every other request's tokens are a run's without it
+    # the next step's input with 0 (a row computed in vain), and every other request's tokens (greedy, and seeded
+    # top-p draws) are a run's without it
     from paged_backend.engine.token_processor import TokenProcessor
 
-    work = _workload(8, greedy_only=True)
-    options = dict(num_blocks=96, block_size=4, max_num_seqs=8)
+    work = _workload(8, plain_only=True)
+    options = dict(num_blocks=96, block_size=4, max_num_seqs=8, dtype=dtype)
     without = _run(_engine(monkeypatch, True, True, **options), [w for w in work if w[0] != "2"])
     sample_later = TokenProcessor.sample_later
 
@@ -117,7 +124,7 @@ def test_a_row_without_a_finite_maximum_fails_its_request_alone(monkeypatch, cou
     tokens, error = got.pop("2")
     assert "no finite maximum" in error and len(tokens[0]) == 3, (tokens, error)
     assert got == without
-    assert counted["fills"] > 5, counted
+    assert counted["fills"] > 5 and counted["sampled"] > 5, counted
     assert_no_leaks(engine)
 
 
