@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from paged_backend.core.scheduler_output import ScheduledSeq
-from paged_backend.worker.step_inputs import StepInputs
+from paged_backend.worker.step_inputs import DeviceFill, StepInputs
 
 
 @dataclass
@@ -31,7 +31,7 @@ class TokenFill:
         if tokens is None:
             input_ids[self.positions] = 0
         else:
-            input_ids[self.positions] = tokens[self.rows.to(tokens.device)].to(input_ids.device)
+            DeviceFill(self.positions, self.rows, tokens).apply(input_ids)
 
 
 def prepare_inputs(scheduled: Sequence[ScheduledSeq], block_tables: Dict[int, List[int]],

@@ -143,16 +143,6 @@ def plain_rows(requests: List[SampleRequest]) -> Optional[bool]:
     return greedy
 
 
-def plain_greedy(requests: List[SampleRequest]) -> bool:
-    """Every row is greedy with one draw and nothing else to compute: no processing, logprobs or scores (so no
-    row needs its log-normaliser: see `SamplingParams.reports_logprobs`)."""
-    for r in requests:
-        p = r.params
-        if r.processed or r.num_samples != 1 or p.temperature >= 1e-6 or p.logprobs is not None or p.output_scores:
-            return False
-    return True
-
-
 @dataclass
 class SampleResult:
     token_ids: List[int]
@@ -261,7 +251,7 @@ class Sampler:
         stage treats rows independently, every row draws its uniforms, and nothing is sampled twice).
         A batch of plain greedy rows takes each row's first maximum in one batched call (`kernels.greedy_rows`),
         without log-normalisers: no row reports a log-probability."""
-        if requests and plain_greedy(requests):
+        if requests and plain_rows(requests):   # all plain and all greedy
             return self._greedy_batch(logits.to(torch.float32))
         raw = logits.to(torch.float32)
         keep_raw = any(r.params.output_scores for r in requests)

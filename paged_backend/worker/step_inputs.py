@@ -32,9 +32,12 @@ class DeviceFill:
     tokens: torch.Tensor      # [R] int64 on the device: the previous step's tokens
 
     def apply(self, input_ids: torch.Tensor) -> None:
-        device = self.tokens.device
-        input_ids[self.positions.to(device, non_blocking=True)] = \
-            self.tokens[self.rows.to(device, non_blocking=True)].to(input_ids.device, non_blocking=True)
+        """Wherever the ids and the tokens are (the engine's host fill calls it too); a copy to a device does not
+        wait, one to the host does (its values are read next)."""
+        to_device = input_ids.device.type != "cpu"
+        values = self.tokens[self.rows.to(self.tokens.device, non_blocking=True)]
+        input_ids[self.positions.to(input_ids.device, non_blocking=to_device)] = \
+            values.to(input_ids.device, non_blocking=to_device)
 
 
 @dataclass
