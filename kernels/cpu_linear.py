@@ -31,6 +31,13 @@ FLOAT32_ROWS = 16
 # 18.4 / 29.8 ms at 8 rows, 23.4 / 33.1 at 16, 25.0 / 46.9 at 32, 98.1 / 104.6 at 128; in one run 168 / 169 at
 # 256 and 380 / 314 at 512: docs/compilation.md).
 NATIVE_BFLOAT16_ROWS = 256
+# Float32 on Intel CPUs where the kernel is built for AVX-512: the kernel up to this many rows, MKL's GEMM beyond.
+# smollm2's 211 layers on a 2-core Xeon with AMX (random weights, q/k/v and gate/up grouped as in compiled code,
+# medians of 5 alternating passes, kernel / MKL ms): 21.1 / 20.6 at 1 row, 20.9 / 21.7 at 2, 22.9 / 30.5 at 4,
+# 26.6 / 35.2 at 8, 40.7 / 44.0 at 16, 42.8 / 52.0 at 32, 72.8 / 76.8 at 64, 137.0 / 113.4 at 128. In the
+# compiled engine, batch-1 decode 24.6-25.0 against 25.0-25.9 ms a step (3 alternating processes), and the anchor
+# trace 248.5 against 222.0 output tok/s (one run each).
+FLOAT32_INTEL_ROWS = 64
 WIDE_VECTOR_BITS = 512   # the kernel's vector width from which float32 has no row limit off Intel
 
 
@@ -107,16 +114,17 @@ def max_rows(dtype: torch.dtype) -> Optional[int]:
     """For which steps compiled linear layers over `dtype` weights run the kernel on this CPU: None for none,
     0 for all, n for steps of at most n tokens. Half precision: FEW_ROWS where oneDNN has native `dtype`
     matmuls, else all; bfloat16 NATIVE_BFLOAT16_ROWS where the kernel has AVX512_BF16 and the CPU no AMX (with
-    AMX it stays FEW_ROWS: oneDNN's AMX tiles were never measured against this kernel). Float32: none on Intel
-    CPUs (MKL's product is near the memory bandwidth there: the compiled-decode record on a Xeon, 1.14x its
-    floor), elsewhere all where the kernel has 512-bit vectors and
-    FLOAT32_ROWS otherwise (MKL on an AMD EPYC reads 11.8 GB/s of 33 at batch 1, the kernel 20.8)."""
+    AMX it stays FEW_ROWS: oneDNN's AMX tiles were never measured against this kernel). Float32 on Intel CPUs:
+    FLOAT32_INTEL_ROWS where the kernel has 512-bit vectors (MKL's GEMM is faster from 128 rows), none with
+    narrower vectors (not measured); elsewhere all where the kernel has 512-bit vectors and FLOAT32_ROWS otherwise
+    (MKL on an AMD EPYC reads 11.8 GB/s of 33 at batch 1, the kernel 20.8)."""
     from .cpu_features import cpu_features, kernel_vector_bits, onednn_half_matmuls
 
     if dtype == torch.float32:
+        wide = (kernel_vector_bits() or 0) >= WIDE_VECTOR_BITS
         if cpu_vendor() == "GenuineIntel":
-            return None
-        return 0 if (kernel_vector_bits() or 0) >= WIDE_VECTOR_BITS else FLOAT32_ROWS
+            return FLOAT32_INTEL_ROWS if wide else None
+        return 0 if wide else FLOAT32_ROWS
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if name is None:
         raise ValueError(f"max_rows is for bfloat16, float16 and float32, not {dtype}")
