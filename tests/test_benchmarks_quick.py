@@ -349,7 +349,7 @@ def test_quick_waste_benchmark(tmp_path):
 
 def test_quick_throughput_benchmark(tmp_path):
     result = _bench("throughput", tmp_path)
-    systems = ["paged", "oracle", "pow2", "max", "hf-static", "hf-continuous"]
+    systems = ["paged", "paged-compiled", "oracle", "pow2", "max", "hf-static", "hf-continuous"]
     compact = [r["system"] for r in result["rows"] if r["kind"] == "kv-cache-dtype"]
     assert result["order"] == [[rep, s] for rep in range(2) for s in systems + compact]  # A, B, C, A, B, C
     rows = {r["system"]: r for r in result["rows"]}
@@ -357,7 +357,16 @@ def test_quick_throughput_benchmark(tmp_path):
     for system in systems:
         row = rows[system]
         assert row["all_finished"] and row["output_tokens"] == result["trace"]["total_output_tokens"]
-        assert len(row["output_tokens_per_s"]["values"]) == 2 and (row["ratio"] is None) == (system == "paged")
+        ours = system in ("paged", "paged-compiled")
+        assert len(row["output_tokens_per_s"]["values"]) == 2 and (row["ratio"] is None) == ours
+        # every other system also against our compiled engine (the paged row: compiled / eager)
+        assert (row["compiled_ratio"] is None) == (system == "paged-compiled"), row
+    # the compiled engine ran every step compiled, took the same steps as the eager one and kept its blocks' books
+    compiled = rows["paged-compiled"]
+    assert compiled["eager_steps"] == 0 and paged["eager_steps"] is None
+    assert compiled["steps"] == paged["steps"] and compiled["preemptions"] == paged["preemptions"]
+    assert all(run["compiled"]["buckets"]["batch"]["ready"] for run in result["runs"]
+               if run["system"] == "paged-compiled")
     # our engines are stepped as users step them, overlapped (from a thread other than the compute thread)
     assert all(run["overlapped"] for run in result["runs"] if run["system"] not in ("hf-static", "hf-continuous"))
     for policy in ("oracle", "pow2", "max"):  # paging batches at least as many requests in the same memory
@@ -377,7 +386,7 @@ def test_quick_throughput_benchmark(tmp_path):
                             "<!-- generated: table throughput -->\n<!-- end generated -->\n",
                             {"throughput": result})
     assert problems == [] and result["conditions"]["git"]["commit"][:12] in text and "STALE" not in text
-    assert "paged (ours)" in text and "all hold" in text
+    assert "paged (ours)" in text and "paged (ours), compiled" in text and "all hold" in text
 
 
 def test_docs_blocks_without_a_record_say_so_and_mixed_commits_are_flagged():

@@ -125,6 +125,10 @@ def render_headline(records: Dict[str, dict]) -> str:
         rows = [r for r in t["rows"] if r["kind"] == "equal-precision"]
         parts = [f"{r['label']} {_ratio(rows, r['system'])}" for r in rows if r["system"] != "paged" and r["ratio"]]
         lines.append(f"| output tokens/s, paged / system at equal KV ({t['kv_mib']:.1f} MiB) | {'; '.join(parts)} |")
+        compiled = [f"{r['label']} {_ratio(rows, r['system'], 'compiled_ratio')}" for r in rows
+                    if r.get("compiled_ratio")]
+        if compiled:
+            lines.append(f"| output tokens/s, paged compiled / system at equal KV | {'; '.join(compiled)} |")
         paged = next((r for r in rows if r["system"] == "paged"), None)
         if paged:
             recomputed = paged["recomputed_tokens"]

@@ -5,6 +5,10 @@ median with its range, each ratio the median of the ratios paired within a round
 
 A compact KV cache (`kv_cache_dtype`) runs in the same rounds as rows of its own, at the same KV bytes as
 the model-dtype cache, and is never part of the equal-precision comparison.
+
+Our engine runs twice per round: eagerly (`paged`, the forward transformers' modules run op by op) and compiled
+(`paged-compiled`, `compile="blocking"`: the forward compiled per bucket before the timed run, as `paged-backend
+serve --compile` serves), each with its own ratios against every other system.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from paged_backend.benchmarks.paper.hf_baselines import run_hf_continuous, run_h
 from paged_backend.benchmarks.harness.provenance import load_average
 from paged_backend.benchmarks.harness.repeat import run_interleaved
 from paged_backend.benchmarks.harness.report import BenchmarkSpec
-from paged_backend.benchmarks.paper.throughput_rows import KV_PREFIX, check_throughput, summarize, throughput_table
+from paged_backend.benchmarks.paper.throughput_rows import (COMPILED, KV_PREFIX, check_throughput, summarize,
+                                                            throughput_table)
 from paged_backend.benchmarks.harness.workloads import MAX_TOTAL_TOKENS, Trace, make_trace
 
-ENGINE_SYSTEMS = ("paged", "oracle", "pow2", "max")
+ENGINE_SYSTEMS = ("paged", COMPILED, "oracle", "pow2", "max")
 HF_SYSTEMS = ("hf-static", "hf-continuous")
-LABELS = {**SYSTEM_LABELS, "hf-static": "HF generate, static batches", "hf-continuous": "HF continuous batching"}
+LABELS = {**SYSTEM_LABELS, COMPILED: "paged (ours), compiled", "hf-static": "HF generate, static batches",
+          "hf-continuous": "HF continuous batching"}
 # vLLM's paper (Figure 12, ShareGPT, OPT-13B): sustained request rate vs Orca baselines at similar latency.
 PAPER_NOTE = ("paper Fig. 12a (ShareGPT, OPT-13B): vLLM sustains 1.7x-2.7x the request rate of Orca (Oracle) "
               "and 2.7x-8x that of Orca (Max); up to 22x FasterTransformer")
@@ -102,6 +108,8 @@ def _run_engine(engine, ctx: _Context, system: str, kv_slots: int) -> dict:
     row = run.as_dict()
     row["_digests"] = run.digests
     row["overlapped"] = engine.overlapped and not on_compute_thread()
+    if engine.runner.compiled is not None:   # its buckets, and how many steps none of them took
+        row["compiled"] = engine.runner.compiled.stats.as_dict()
     return row
 
 
@@ -125,8 +133,9 @@ def _run_system(system: str, ctx: _Context) -> dict:
         engine = build_kv_dtype_engine(ctx.model, ctx.tokenizer, system[len(KV_PREFIX):], ctx.kv_bytes, c.block_size,
                                        c.context_limit())
         return _run_engine(engine, ctx, system, engine.kv_size.num_blocks * c.block_size)
-    engine = build_engine(ctx.model, ctx.tokenizer, system, c.kv_slots, c.block_size, c.context_limit(),
-                          allocator=c.allocator)
+    options = {"compile": "blocking"} if system == COMPILED else {}
+    engine = build_engine(ctx.model, ctx.tokenizer, "paged" if system == COMPILED else system, c.kv_slots,
+                          c.block_size, c.context_limit(), allocator=c.allocator, **options)
     return _run_engine(engine, ctx, system, c.kv_slots)
 
 

@@ -10,6 +10,7 @@ from paged_backend.benchmarks.harness.repeat import format_spread, paired_ratio,
 from paged_backend.benchmarks.harness.report import format_table, percent
 
 KV_PREFIX = "paged-kv-"
+COMPILED = "paged-compiled"   # our engine with its forward compiled (`compile="blocking"`)
 
 
 def _kind(system: str) -> str:
@@ -38,19 +39,23 @@ def _row(system: str, runs: List[dict], all_runs: List[dict], labels: Dict[str, 
     first = runs[0]
     memory = first.get("memory")
     recomputed = first.get("recomputed_tokens")
-    if system == "paged":
+    if system in ("paged", COMPILED):   # ours: no ratio against ourselves (the paged row's compiled ratio is it)
         ratio = None
     elif _kind(system) == "equal-precision":
         ratio = paired_ratio(all_runs, "paged", system, "output_tokens_per_s")
     else:
         ratio = paired_ratio(all_runs, system, "paged", "output_tokens_per_s")
+    compiled_ratio = None   # ours compiled / this system, equal precision (None where the compiled engine did not run)
+    if system != COMPILED and _kind(system) == "equal-precision":
+        compiled_ratio = paired_ratio(all_runs, COMPILED, system, "output_tokens_per_s")
     return {
         "system": system, "label": _label(system, labels), "kind": _kind(system), "repetitions": len(runs),
         "output_tokens_per_s": spread([r["output_tokens_per_s"] for r in runs]),
         "requests_per_s": spread([r["requests_per_s"] for r in runs]),
         "wall_s": spread([r["wall_s"] for r in runs]),
         # equal-precision rows: ours / this system; kv-cache-dtype rows: this system / paged at the model dtype
-        "ratio": ratio,
+        "ratio": ratio, "compiled_ratio": compiled_ratio,
+        "eager_steps": max(r["compiled"]["eager_steps"] for r in runs) if "compiled" in first else None,
         "avg_batch": memory["avg_batch_requests"] if memory else first.get("avg_batch"),
         "token_states": memory["shares"]["token_states"] if memory else None,
         "steps": first.get("steps"), "preemptions": first.get("preemptions"),
@@ -83,6 +88,7 @@ def _cells(row: dict) -> List[str]:
     if recomputed is not None:
         recomputed_text += f" ({percent(row['recomputed_share_of_trace_tokens'])})"
     return [row["label"], format_spread(row["output_tokens_per_s"]), format_spread(row["ratio"], 2, "x"),
+            format_spread(row.get("compiled_ratio"), 2, "x"),
             num(row["avg_batch"]), percent(row["token_states"]) if row["token_states"] is not None else "-",
             "-" if row["preemptions"] is None else str(row["preemptions"]), recomputed_text,
             num(row["extra_prefill_tokens"], 0) if row["engine"] else "-",
@@ -90,8 +96,8 @@ def _cells(row: dict) -> List[str]:
             format_spread(row["wall_s"])]
 
 
-HEADERS = ["system", "out tok/s", "ratio", "avg batch", "token states", "preempt", "recomputed", "extra prefill",
-           "same tokens", "wall s"]
+HEADERS = ["system", "out tok/s", "ratio", "compiled ratio", "avg batch", "token states", "preempt", "recomputed",
+           "extra prefill", "same tokens", "wall s"]
 
 
 def throughput_table(result: dict) -> str:
@@ -100,7 +106,8 @@ def throughput_table(result: dict) -> str:
     title = (f"Throughput at equal KV memory ({config['kv_slots']} token slots, {result['kv_mib']:.1f} MiB): "
              f"{trace['num_requests']} {trace['name']} requests, {trace['total_output_tokens']} output tokens, "
              f"{config['model']} {config['dtype']}, {result['conditions']['torch_threads']} threads; median "
-             f"(range) of {rounds} interleaved rounds; ratio = paged / system")
+             f"(range) of {rounds} interleaved rounds; ratio = paged / system, compiled ratio = paged compiled / "
+             f"system")
     equal = [_cells(r) for r in result["rows"] if r["kind"] == "equal-precision"]
     text = format_table(HEADERS, equal, title)
     compact = [_cells(r) for r in result["rows"] if r["kind"] == "kv-cache-dtype"]
@@ -126,6 +133,8 @@ def check_throughput(result: dict) -> List[str]:
                             f"{result['trace']['total_output_tokens']}")
         if row["leaked_blocks"]:
             problems.append(f"{name}: {row['leaked_blocks']} KV blocks leaked")
+        if row.get("eager_steps"):
+            problems.append(f"{name}: {row['eager_steps']} steps ran eagerly (no compiled bucket took them)")
         if row["stable_across_rounds"] is False:
             problems.append(f"{name}: rounds took different steps or gave different tokens (the engine is "
                             f"deterministic; something changed the model or the engine between rounds)")
