@@ -79,7 +79,7 @@ def summarize(runs: List[dict], labels: Dict[str, str], trace_tokens: int) -> Li
             for system in systems]
 
 
-def _cells(row: dict) -> List[str]:
+def _cells(row: dict, compiled: bool) -> List[str]:
     def num(value, digits=1):
         return "-" if value is None else f"{value:.{digits}f}"
 
@@ -87,17 +87,24 @@ def _cells(row: dict) -> List[str]:
     recomputed_text = "missing" if recomputed is None and row["engine"] else num(recomputed, 0)
     if recomputed is not None:
         recomputed_text += f" ({percent(row['recomputed_share_of_trace_tokens'])})"
-    return [row["label"], format_spread(row["output_tokens_per_s"]), format_spread(row["ratio"], 2, "x"),
-            format_spread(row.get("compiled_ratio"), 2, "x"),
-            num(row["avg_batch"]), percent(row["token_states"]) if row["token_states"] is not None else "-",
+    ratios = [format_spread(row["ratio"], 2, "x")]
+    if compiled:
+        ratios.append(format_spread(row.get("compiled_ratio"), 2, "x"))
+    return [row["label"], format_spread(row["output_tokens_per_s"]), *ratios, num(row["avg_batch"]),
+            percent(row["token_states"]) if row["token_states"] is not None else "-",
             "-" if row["preemptions"] is None else str(row["preemptions"]), recomputed_text,
             num(row["extra_prefill_tokens"], 0) if row["engine"] else "-",
             "-" if row["same_tokens_as_paged"] is None else f"{row['same_tokens_as_paged']}/{row['num_requests']}",
             format_spread(row["wall_s"])]
 
 
-HEADERS = ["system", "out tok/s", "ratio", "compiled ratio", "avg batch", "token states", "preempt", "recomputed",
-           "extra prefill", "same tokens", "wall s"]
+HEADERS = ["system", "out tok/s", "ratio", "avg batch", "token states", "preempt", "recomputed", "extra prefill",
+           "same tokens", "wall s"]
+
+
+def _headers(compiled: bool) -> List[str]:
+    """The table's columns: a compiled ratio beside the ratio where our compiled engine ran."""
+    return HEADERS[:3] + ["compiled ratio"] + HEADERS[3:] if compiled else HEADERS
 
 
 def throughput_table(result: dict) -> str:
@@ -106,11 +113,13 @@ def throughput_table(result: dict) -> str:
     title = (f"Throughput at equal KV memory ({config['kv_slots']} token slots, {result['kv_mib']:.1f} MiB): "
              f"{trace['num_requests']} {trace['name']} requests, {trace['total_output_tokens']} output tokens, "
              f"{config['model']} {config['dtype']}, {result['conditions']['torch_threads']} threads; median "
-             f"(range) of {rounds} interleaved rounds; ratio = paged / system, compiled ratio = paged compiled / "
-             f"system")
-    equal = [_cells(r) for r in result["rows"] if r["kind"] == "equal-precision"]
-    text = format_table(HEADERS, equal, title)
-    compact = [_cells(r) for r in result["rows"] if r["kind"] == "kv-cache-dtype"]
+             f"(range) of {rounds} interleaved rounds; ratio = paged / system")
+    compiled = any(r.get("compiled_ratio") for r in result["rows"])
+    if compiled:
+        title += "; compiled ratio = paged compiled / system"
+    equal = [_cells(r, compiled) for r in result["rows"] if r["kind"] == "equal-precision"]
+    text = format_table(_headers(compiled), equal, title)
+    compact = [_cells(r, False) for r in result["rows"] if r["kind"] == "kv-cache-dtype"]
     if compact:
         text += "\n\n" + format_table(HEADERS, compact, "Compact KV cache at the same KV bytes (not part of the "
                                                         "comparison above); ratio = this row / paged")
