@@ -295,6 +295,12 @@ def test_cpu_sampler_reads_busy_cores_between_samples():
         time.sleep(0.05)
     # what the process really used over the window, however loaded the machine is (no fixed share asked for)
     assert live.busy_cores(wall0, wall1) == pytest.approx((cpu1 - cpu0) / (wall1 - wall0), abs=0.25)
+    # the whole machine's cores in the same window: at least this process's, at most every core
+    machine = live.machine_busy_cores(wall0, wall1)
+    assert live.busy_cores(wall0, wall1) - 0.25 <= machine <= (os.cpu_count() or 1) + 0.25
+    sampler.machine = [(100.0, 50.0), (102.0, 53.0)]
+    assert sampler.machine_busy_cores(100.0, 101.0) == pytest.approx(1.5)
+    assert sampler.machine_busy_cores(101.0, 103.0) is None  # after the last sample: unknown
 
 
 def test_transformers_serve_is_forced_without_ignore_eos():
@@ -440,6 +446,8 @@ def test_quick_serving_benchmark(tmp_path):
                                                                          config["requests_per_stream"] * row["concurrency"])
         assert row["output_tokens_min"] == row["output_tokens_max"] == config["output_tokens"]
         assert row["busy_cores"]["median"] > 0 and (row["paged_ratio"] is None) == (row["system"] == "paged")
+        # the whole machine kept at least the server's cores busy (guidellm's and the rest beside them)
+        assert row["machine_busy_cores"]["median"] >= row["busy_cores"]["median"] - 0.25, row
     assert all(code in (0, -15) for code in result["server_exit_codes"].values())
 
 

@@ -121,13 +121,29 @@ def cpu_seconds(pid: int) -> Optional[float]:
     return total
 
 
+def machine_cpu_seconds() -> Optional[float]:
+    """CPU seconds every process of the machine has used since boot, all cores together (/proc/stat's first
+    line less its idle and iowait), None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(value) for value in fields[1:9]]   # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 class CpuSampler:
-    """Samples a process's CPU seconds against wall-clock time in a thread, so the cores it kept busy in any
-    window (e.g. one guidellm benchmark) can be read afterwards."""
+    """Samples a process's CPU seconds, and the whole machine's, against wall-clock time in a thread, so the cores
+    each kept busy in any window (e.g. one guidellm benchmark) can be read afterwards: what the machine used
+    beyond the server is its load generator's and anything else running."""
 
     def __init__(self, pid: int, interval_s: float = 0.2) -> None:
         self.pid, self.interval_s = pid, interval_s
         self.samples: List[Tuple[float, float]] = []
+        self.machine: List[Tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -141,22 +157,35 @@ class CpuSampler:
 
     def _loop(self) -> None:
         while True:
-            cpu = cpu_seconds(self.pid)
+            cpu, machine = cpu_seconds(self.pid), machine_cpu_seconds()
+            now = time.time()
             if cpu is not None:
-                self.samples.append((time.time(), cpu))
+                self.samples.append((now, cpu))
+            if machine is not None:
+                self.machine.append((now, machine))
             if self._stop.wait(self.interval_s):
                 return
 
     def busy_cores(self, start: float, end: float) -> Optional[float]:
-        """CPU seconds per wall second between two epoch times (interpolated between samples)."""
-        if end <= start or len(self.samples) < 2:
-            return None
-        times = [t for t, _ in self.samples]
-        if start < times[0] or end > times[-1]:
-            return None
-        return (self._at(end, times) - self._at(start, times)) / (end - start)
+        """The process's CPU seconds per wall second between two epoch times (interpolated between samples)."""
+        return _rate(self.samples, start, end)
 
-    def _at(self, when: float, times: List[float]) -> float:
-        i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
-        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
-        return c0 if t1 == t0 else c0 + (c1 - c0) * (when - t0) / (t1 - t0)
+    def machine_busy_cores(self, start: float, end: float) -> Optional[float]:
+        """The whole machine's CPU seconds per wall second between two epoch times (at most its core count)."""
+        return _rate(self.machine, start, end)
+
+
+def _rate(samples: List[Tuple[float, float]], start: float, end: float) -> Optional[float]:
+    """Growth per second of a sampled counter between two times, interpolated; None outside the samples."""
+    if end <= start or len(samples) < 2:
+        return None
+    times = [t for t, _ in samples]
+    if start < times[0] or end > times[-1]:
+        return None
+    return (_at(samples, times, end) - _at(samples, times, start)) / (end - start)
+
+
+def _at(samples: List[Tuple[float, float]], times: List[float], when: float) -> float:
+    i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
+    (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+    return c0 if t1 == t0 else c0 + (c1 - c0) * (when - t0) / (t1 - t0)

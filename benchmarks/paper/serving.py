@@ -179,7 +179,8 @@ def run_serving(config: ServingConfig, scratch_dir: Path) -> dict:
                 report = run_guidellm(executable, spec, work_dir, tag, timeout_s=_timeout(config))
             for row in read_report(report):
                 row.update(system=name, repetition=rep,
-                           busy_cores=sampler.busy_cores(row["start_time"], row["end_time"]))
+                           busy_cores=sampler.busy_cores(row["start_time"], row["end_time"]),
+                           machine_busy_cores=sampler.machine_busy_cores(row["start_time"], row["end_time"]))
                 runs.append(row)
             print(f"  round {rep + 1}/{config.repetitions} {name}: concurrencies {list(config.concurrencies)} in "
                   f"{time.perf_counter() - began:.0f} s", flush=True)

@@ -27,6 +27,8 @@ def summarize_serving(runs: List[dict], systems: Sequence[str], concurrencies: S
                 "itl_ms_mean": spread([r["itl_ms_mean"] for r in own]),
                 "latency_s_median": spread([r["latency_s_median"] for r in own]),
                 "busy_cores": spread([r["busy_cores"] for r in own]),
+                # the whole machine's busy cores in the same windows: the server, guidellm and anything else
+                "machine_busy_cores": spread([r.get("machine_busy_cores") for r in own]),
                 # ours / this server's output tokens per second, paired by round
                 "paged_ratio": None if system == "paged" else paired_ratio(at_c, "paged", system,
                                                                            "output_tokens_per_s"),
@@ -49,18 +51,23 @@ def summarize_serving(runs: List[dict], systems: Sequence[str], concurrencies: S
 
 def serving_table(result: dict) -> str:
     compiled = any(r.get("compiled_ratio") for r in result["rows"])
+    machine = any(r.get("machine_busy_cores") for r in result["rows"])   # records from before it have none
     headers = ["system", "concurrency", "out tok/s", "paged is x", *(["compiled is x"] if compiled else []),
-               "TTFT ms (median)", "ITL ms", "busy cores", "done", "failed"]
+               "TTFT ms (median)", "ITL ms", "busy cores", *(["machine cores"] if machine else []), "done", "failed"]
     rows = [[r["label"], r["concurrency"], format_spread(r["output_tokens_per_s"]),
              format_spread(r["paged_ratio"], 2, "x"),
              *([format_spread(r.get("compiled_ratio"), 2, "x")] if compiled else []),
              format_spread(r["ttft_ms_median"], 0), format_spread(r["itl_ms_mean"], 0),
-             format_spread(r["busy_cores"], 2), r["requests_ok"], r["requests_failed"]] for r in result["rows"]]
+             format_spread(r["busy_cores"], 2), *([format_spread(r.get("machine_busy_cores"), 2)] if machine else []),
+             r["requests_ok"], r["requests_failed"]] for r in result["rows"]]
     c = result["config"]
     title = (f"Serving over HTTP under guidellm {result['guidellm']}: {c['prompt_tokens']}-token synthetic prompts, "
              f"{c['output_tokens']} forced output tokens, {c['model']} {c['dtype']}, {c['kv_slots']} KV slots and "
              f"{c['threads']} threads per server; median (range) of {c['repetitions']} interleaved rounds"
              f"{llama_cpp_note(result)}")
+    if machine:
+        title += ("; busy cores: the server's CPU seconds per second, machine cores: every process's (the server, "
+                  "guidellm and the rest) in the same windows")
     return format_table(headers, rows, title)
 
 
