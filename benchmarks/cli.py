@@ -1,6 +1,6 @@
 """`paged-backend bench NAME`: run a benchmark (waste, throughput, sharing, serving, serving-half, overhead,
-structured, or all) or a study (recompute-policies, busy-threads, step-profile, host-overhead, lora, compiled-decode,
-speculative) at a named size, print its table, write NAME.json (and NAME.png) under RESULTS/NAME/. `--documented`
+structured, or all) or a study (recompute-policies, busy-threads, busy-cores, step-profile, host-overhead, lora,
+compiled-decode, speculative) at a named size, print its table, write NAME.json (and NAME.png) under RESULTS/NAME/. `--documented`
 runs it at the size docs/benchmarks.md documents, records it (benchmarks: docs/img/bench-NAME.json beside the plot;
 studies: docs/measurements/NAME.json) and regenerates the doc; `bench docs` regenerates docs/benchmarks.md and its plots
 from the recorded JSON alone."""
@@ -17,7 +17,7 @@ from paged_backend.benchmarks.harness.provenance import REPO_ROOT, dirty_refusal
 
 # `all`, one commit; serving-half: the serving benchmark in half precision, a record of its own
 BENCHMARKS = ("waste", "throughput", "sharing", "serving", "serving-half", "overhead", "structured")
-STUDIES = ("recompute-policies", "busy-threads", "step-profile", "host-overhead", "lora",
+STUDIES = ("recompute-policies", "busy-threads", "busy-cores", "step-profile", "host-overhead", "lora",
            "compiled-decode", "speculative")   # side studies, each recorded on its own
 PAPER = ("waste", "throughput", "sharing", "serving", "serving-half")   # in benchmarks/paper/, the others in micro/
 DOCS_DIR = REPO_ROOT / "docs"
@@ -81,14 +81,14 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--batch": ("batch", int, "step-profile: running sequences"),
     "--host-steps": ("host_steps", int, "overhead, host-overhead: decode steps timed per stand-in measurement"),
     "--device-ms": ("device_ms", float, "overhead, host-overhead: the sleeping stand-in runner's ms per forward"),
-    "--seconds": ("seconds", float, "busy-threads: seconds of streaming per server and wait policy"),
+    "--seconds": ("seconds", float, "busy-threads: seconds of streaming per server and wait policy; busy-cores: per concurrency"),
 }
 
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help="reproduce the paper's measurements (waste, throughput, sharing, serving, "
                                          "serving-half, overhead; structured: the cost of a JSON schema; all; the "
-                                         "studies recompute-policies, busy-threads, step-profile, host-overhead, lora, "
+                                         "studies recompute-policies, busy-threads, busy-cores, step-profile, host-overhead, lora, "
                                          "compiled-decode, speculative; docs regenerates docs/benchmarks.md)",
                           description=__doc__)
     p.add_argument("benchmark", choices=BENCHMARKS + STUDIES + ("all", "docs"))

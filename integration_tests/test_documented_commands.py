@@ -137,6 +137,8 @@ COMMANDS: Dict[str, Run] = {
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_recompute_policies_study"),
     "paged-backend bench busy-threads --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_busy_threads_study"),
+    "paged-backend bench busy-cores --documented": Run(
+        "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_busy_cores_study"),
     "paged-backend bench lora --documented": Run(
         "covered", covered_by="tests/test_benchmarks_quick.py::test_quick_lora_study"),
     "paged-backend bench speculative --documented": Run("covered", covered_by=QUICK.format("speculative")),

@@ -609,6 +609,16 @@ def test_quick_busy_threads_study(tmp_path):
         assert 0 < decode["min"] <= decode["median"] <= decode["max"] and len(decode["values"]) == 3
 
 
+def test_quick_busy_cores_study(tmp_path):
+    result = _bench("busy-cores", tmp_path)
+    assert [(r["dtype"], r["concurrency"]) for r in result["runs"]] == [("float32", 1), ("float32", 2)]
+    for row in result["runs"]:
+        assert row["requests"] > 0 and row["busy_cores"] > 0 and row["client_cores"] > 0
+        # the machine used at least what the server and the clients used (both are on it)
+        assert row["machine_cores"] >= row["busy_cores"] + row["client_cores"] - 0.3, row
+        assert sum(t["cores"] for t in row["threads"]) <= row["busy_cores"] + 1e-6
+
+
 def test_a_record_takes_the_conditions_at_the_start_of_the_run_and_at_its_end(tmp_path, monkeypatch):
     """The time and load average labelled as the start are taken before the run, not when it ends."""
     from paged_backend.benchmarks.harness import provenance, report
