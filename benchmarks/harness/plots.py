@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 CATEGORIES = [("token_states", "token states", "#2e7d32"), ("reserved", "reserved", "#f9a825"),
               ("internal", "internal frag.", "#ef6c00"), ("external", "external frag.", "#c62828")]
-SYSTEM_COLORS = {"paged": "#1565c0", "paged-compiled": "#0d47a1", "oracle": "#6a1b9a", "pow2": "#ad1457", "max": "#4e342e",
-                 "hf-static": "#757575", "hf-continuous": "#00838f", "hf-serve": "#00838f",
+SYSTEM_COLORS = {"paged": "#1565c0", "paged-compiled": "#0d47a1", "oracle": "#6a1b9a", "pow2": "#ad1457",
+                 "max": "#4e342e", "hf-static": "#757575", "hf-continuous": "#00838f", "hf-serve": "#00838f",
                  "llama.cpp": "#ef6c00", "llama.cpp-f16": "#ffb74d"}
 
 
@@ -81,8 +81,9 @@ def plot_throughput(result: dict, path: Path) -> Path:
         ratio, compiled = row.get("ratio"), row.get("compiled_ratio")
         note = "" if not ratio else (f"  (ours {ratio['median']:.2f}x)" if row["kind"] == "equal-precision"
                                      else f"  ({ratio['median']:.2f}x paged)")
-        if compiled and row["system"] != "paged":
-            note = note[:-1] + f", compiled {compiled['median']:.2f}x)" if note else f"  (compiled {compiled['median']:.2f}x)"
+        if compiled and row["system"] != "paged":   # our compiled engine against this system too
+            text = f"compiled {compiled['median']:.2f}x"
+            note = f"{note[:-1]}, {text})" if note else f"  ({text})"
         tps = row["output_tokens_per_s"]
         if tps:
             ax.text(tps["max"], bar.get_y() + bar.get_height() / 2, f"  {tps['median']:.1f} tok/s{note}",

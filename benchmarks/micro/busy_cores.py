@@ -17,7 +17,7 @@ from typing import List, Tuple
 
 from paged_backend.benchmarks.harness.report import BenchmarkSpec, format_table
 from paged_backend.benchmarks.harness.server_process import machine_cpu_seconds, start_server
-from paged_backend.benchmarks.micro.busy_threads import PROMPT, drive, thread_cpu
+from paged_backend.benchmarks.micro.busy_threads import PROMPT, drive, thread_cpu, thread_shares
 from paged_backend.benchmarks.paper.engine_runs import set_threads
 from paged_backend.benchmarks.paper.serving import _model_id
 from paged_backend.benchmarks.paper.serving_systems import paged_system, served_model_dir
@@ -57,14 +57,13 @@ def sweep(server, body: dict, concurrencies: Tuple[int, ...], seconds: float) ->
             worker.join()
         wall = time.monotonic() - start
         after, own_after, machine_after = thread_cpu(server.proc.pid), _cpu_now(), machine_cpu_seconds()
-        busy = sorted(((after[t][1] - before.get(t, (None, 0.0))[1]) / wall, after[t][0], t) for t in after)[::-1]
+        threads = thread_shares(before, after, wall)
         rows.append({"concurrency": clients, "wall_s": round(wall, 1), "requests": sum(r for r, _ in counts),
                      "tokens_per_s": round(sum(c for _, c in counts) / wall, 1),
-                     "busy_cores": round(sum(b for b, *_ in busy), 3),
+                     "busy_cores": round(sum(t["cores"] for t in threads), 3),
                      "client_cores": round((own_after - own) / wall, 3),
                      "machine_cores": None if machine is None or machine_after is None
-                     else round((machine_after - machine) / wall, 3),
-                     "threads": [{"name": name, "tid": tid, "cores": round(b, 3)} for b, name, tid in busy if b >= 0.01]})
+                     else round((machine_after - machine) / wall, 3), "threads": threads})
     return rows
 
 

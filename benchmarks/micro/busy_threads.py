@@ -44,6 +44,13 @@ def thread_cpu(pid: int) -> Threads:
     return out
 
 
+def thread_shares(before: Threads, after: Threads, wall: float) -> List[dict]:
+    """Each thread's cores busy between two readings (CPU seconds per wall second), busiest first, every thread
+    that used any."""
+    busy = sorted(((after[t][1] - before.get(t, (None, 0.0))[1]) / wall, after[t][0], t) for t in after)[::-1]
+    return [{"name": name, "tid": tid, "cores": round(b, 3)} for b, name, tid in busy if b > 0]
+
+
 def drive(base_url: str, body: dict, seconds: float) -> Tuple[int, int]:
     """Streaming completions one after another for `seconds`; returns (requests, streamed chunks)."""
     requests = chunks = 0
@@ -74,11 +81,10 @@ def probe(system, seconds: float, output_tokens: int, threads: int, wait_policy:
         after, wall = thread_cpu(server.proc.pid), time.monotonic() - start
     finally:
         server.stop()
-    busy = sorted(((after[t][1] - before.get(t, (None, 0.0))[1]) / wall, after[t][0], t) for t in after)[::-1]
+    threads = thread_shares(before, after, wall)
     return {"system": system.name, "wait_policy": wait_policy or "unset", "wall_s": round(wall, 1),
             "requests": requests, "chunks_per_s": round(chunks / wall, 1),
-            "busy_cores": round(sum(b for b, *_ in busy), 2),
-            "threads": [{"name": name, "tid": tid, "cores": round(b, 3)} for b, name, tid in busy if b >= 0.01]}
+            "busy_cores": round(sum(t["cores"] for t in threads), 2), "threads": threads}
 
 
 def _spread(values: List[float]) -> dict:
