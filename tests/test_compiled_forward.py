@@ -278,3 +278,38 @@ def test_the_guard_filter_drops_the_models_guards_and_keeps_the_inputs():
     assert GUARD_FILTER is skip_model_guards
     assert compilations(None) == 3
     assert compilations(skip_model_guards) == 2
+
+
+def test_hooks_a_dropped_lora_runner_leaves_for_the_collector_are_gone_before_the_trace(monkeypatch):
+    """A LoRA runner that was dropped but sits in a reference cycle keeps its forward hooks on the model until the
+    garbage collector runs its finalizer, which may happen in the middle of tracing a bucket (its guards then
+    name a hook that is gone: the bucket fails to compile and runs eagerly; seen in `make test` when an earlier
+    test's LoRA engine shared the cached model). Compiling collects first, so the trace never sees them."""
+    import gc
+
+    from paged_backend.worker import compiled_forward
+    from paged_backend.worker.lora_layers import LoRALayers
+
+    model, _ = load_model("tiny-llama", dtype=torch.float32)   # its own copy: hooks must not reach other tests
+    layers = LoRALayers(model, max_loras=1, max_lora_rank=8)
+    layers._layer("model.layers.0.self_attn.q_proj")   # a hook on q_proj, as a loaded adapter leaves
+    layers.cycle = layers                                # freed only by a collection
+    del layers
+    hooked = lambda: sum(len(m._forward_hooks) for m in model.modules())   # noqa: E731
+    assert hooked() == 1
+    seen = []
+    compile_bucket = compiled_forward.CompiledForward._compile
+
+    def traced(self, bucket):
+        seen.append(hooked())   # what the trace of this bucket meets
+        return compile_bucket(self, bucket)
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "_compile", traced)
+    gc.disable()   # no automatic collection: only the engine's own may free the runner before the trace
+    try:
+        engine = LLMEngine(model, num_blocks=64, compile="blocking")
+    finally:
+        gc.enable()
+    assert seen == [0, 0]
+    assert all(state.ready for state in engine.runner.compiled.stats.buckets.values())
+    assert _greedy(engine, [SOLO]) == _expected(model, [SOLO]) and engine.runner.compiled.stats.eager_steps == 0

@@ -22,6 +22,7 @@ Compiled code is cached across runs by inductor's on-disk caches (FX graph and A
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -169,6 +170,10 @@ class CompiledForward:
         self._windows: set = set()   # the sliding windows (None: none) of the model's attention layers, as met
         self.stats = CompileStats(mode, os.environ["TORCHINDUCTOR_CACHE_DIR"], linear_kernels=linear_kernels)
         self._done = threading.Event()
+        # Dropped objects that still hold hooks on the model (a LoRA runner in a reference cycle keeps its forward
+        # hooks until the collector runs its finalizer) go now: a collection in the middle of a trace would take
+        # a hook that the bucket's guards name, and the bucket would fail to compile.
+        gc.collect()
         if mode == "blocking":
             self._compile_all()
         else:
