@@ -35,8 +35,9 @@ NATIVE_BFLOAT16_ROWS = 256
 # smollm2's 211 layers on a 2-core Xeon with AMX (random weights, q/k/v and gate/up grouped as in compiled code,
 # medians of 5 alternating passes, kernel / MKL ms): 21.1 / 20.6 at 1 row, 20.9 / 21.7 at 2, 22.9 / 30.5 at 4,
 # 26.6 / 35.2 at 8, 40.7 / 44.0 at 16, 42.8 / 52.0 at 32, 72.8 / 76.8 at 64, 137.0 / 113.4 at 128. In the
-# compiled engine, batch-1 decode 24.6-25.0 against 25.0-25.9 ms a step (3 alternating processes), and the anchor
-# trace 248.5 against 222.0 output tok/s (one run each).
+# compiled engine, batch-1 decode 24.6-25.0 against 25.0-25.9 ms a step (3 alternating processes; later, at a
+# higher load, MKL ahead in 4 of 5 pairs: one row is a tie within the spread), and the anchor trace 248.5 against
+# 222.0 output tok/s (one run each).
 FLOAT32_INTEL_ROWS = 64
 WIDE_VECTOR_BITS = 512   # the kernel's vector width from which float32 has no row limit off Intel
 
