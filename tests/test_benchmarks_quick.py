@@ -281,6 +281,16 @@ def test_guidellm_scenario_has_one_benchmark_per_concurrency(tmp_path):
         scenario("u", "m", "t", {}, GuidellmLoad((1, 2), (8,), 4, 4), tmp_path / "r.json")
 
 
+def test_machine_busy_ticks_leave_out_idle_iowait_and_steal():
+    """/proc/stat's `cpu` line: user nice system idle iowait irq softirq steal guest guest_nice. Steal is time the
+    hypervisor ran something else while this machine's cores waited: not work done here; guest time is already
+    inside user."""
+    from paged_backend.benchmarks.harness.server_process import busy_ticks
+
+    assert busy_ticks("cpu  100 2 30 5000 40 1 3 700 9 0") == 100 + 2 + 30 + 1 + 3
+    assert busy_ticks("cpu0 1 1 1 1 1 1 1 1 1 1") is None and busy_ticks("") is None   # one core's line, nothing
+
+
 def test_cpu_sampler_reads_busy_cores_between_samples():
     sampler = CpuSampler(pid=0)
     sampler.samples = [(100.0, 10.0), (101.0, 11.5), (103.0, 13.5)]

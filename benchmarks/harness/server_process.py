@@ -121,18 +121,26 @@ def cpu_seconds(pid: int) -> Optional[float]:
     return total
 
 
-def machine_cpu_seconds() -> Optional[float]:
-    """CPU seconds every process of the machine has used since boot, all cores together (/proc/stat's first
-    line less its idle and iowait), None where it cannot be read."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
+def busy_ticks(line: str) -> Optional[int]:
+    """Clock ticks of work in /proc/stat's all-cores `cpu` line: user, nice, system, irq and softirq (guest time is
+    inside user; idle, iowait and steal, the hypervisor's time elsewhere, are not work here); None for any other
+    line."""
+    fields = line.split()
     if not fields or fields[0] != "cpu":
         return None
-    ticks = [int(value) for value in fields[1:9]]   # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = (int(value) for value in fields[1:8])
+    return user + nice + system + irq + softirq
+
+
+def machine_cpu_seconds() -> Optional[float]:
+    """CPU seconds every process of the machine has used since boot, all cores together; None where /proc/stat
+    cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = busy_ticks(f.readline())
+    except OSError:
+        return None
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 class CpuSampler:
