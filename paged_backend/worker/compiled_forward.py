@@ -46,8 +46,13 @@ BUCKETS = ("single", "batch")
 # activation product at batch 1 is not worth waking a thread team for; a parallel region per small loop costs
 # more than the loop when the cores are shared); the graph's wrapper in C++ (`cpp_wrapper`): a decode step's
 # few hundred kernel and matmul calls are made from C++ rather than from a generated Python function (smollm2
-# batch-1 decode 29.3 -> 26.5 ms/token; the first compilation takes about 3 minutes instead of 1).
-INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384, "cpp_wrapper": True}
+# batch-1 decode 29.3 -> 26.5 ms/token; the first compilation takes about 3 minutes instead of 1); no size, stride
+# or scalar checks in the wrapper on each call (`size_asserts`, `scalar_asserts`): dynamo's guards pick a bucket by
+# the step's input shapes, parameters keep theirs while an engine runs and the operators' outputs are ours (about
+# 400 checks per smollm2 decode step, each reading metadata the step's weights had evicted from the caches:
+# 0.2-0.3 ms of a 17-20 ms float32 batch-1 step on a 2-core AVX-512 EPYC, docs/compilation.md).
+INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384, "cpp_wrapper": True, "size_asserts": False,
+                    "scalar_asserts": False}
 
 
 # Dynamo options while a bucket is traced: the model's parameters and buffers become attributes of the traced graph
