@@ -4,16 +4,16 @@
 // bound by memory bandwidth. PyTorch's products reach a fraction of the bandwidth there on some CPUs: bfloat16
 // and float16 where the CPU has no native half-precision dot products (at more rows they take one dot product
 // per output element), float32 where MKL runs on an AMD EPYC (11.8 GB/s of 33 at batch 1). This kernel streams
-// four weight rows at a time, each read once for up to kMaxRows rows of x (8 with AVX-512, else 4), widens
+// four weight rows at a time, each read once for up to kMaxRows (4) rows of x, widens
 // half-precision weights to float32 in registers (bfloat16: a 16-bit shift; float16: F16C's conversion where the
 // build targets it) and accumulates in float32. Half-precision results are rounded to the weights' dtype once
 // (round to nearest even), as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions
 // differs from theirs.
 //
-// From kGemmMinRows rows of x on, the product is arithmetic-bound rather than memory-bound and a blocked product
-// replaces the dot products (`gemm`): x packed once per call into panels of 2 vectors of rows, each work item's
-// weight rows widened once to float32, and a 6-row by 2-vector register tile that broadcasts one weight and loads
-// two vectors of x per step (no widening or horizontal sums in the inner loop).
+// From kGemmMinRows rows of x on (16, or 5 with AVX-512), a blocked product replaces the dot products (`gemm`): x
+// packed once per call into panels of 2 vectors of rows (the last one of 1 vector where no more rows are left),
+// each work item's weight rows widened once to float32, and a 6-row by 2-vector (or 1-vector) register tile that
+// broadcasts one weight and loads the vectors of x per step (no widening or horizontal sums in the inner loop).
 //
 // Built for AVX512_BF16, bfloat16 from two rows on multiplies pairs of bfloat16 with `vdpbf16ps` instead (below).
 //
@@ -36,9 +36,9 @@ namespace {
 using cpu_kernels::FloatVector;
 using cpu_kernels::kVectorBytes;
 constexpr int64_t L = cpu_kernels::Vector<float>::lanes;   // floats per vector
-// Rows of x per pass over a work item's weights: 4 (8 accumulators of 2 weight rows by 4) where there are 16
-// vector registers, 8 (16 of 2 by 8) with AVX-512's 32. An output's sum does not depend on the pass.
-constexpr int64_t kMaxRows = L >= 16 ? 8 : 4;
+// Rows of x per pass over a work item's weights (8 accumulators of 2 weight rows by 4; from kGemmMinRows rows on
+// the blocked product takes over). An output's sum does not depend on the pass.
+constexpr int64_t kMaxRows = 4;
 constexpr int64_t kRowsPerTask = 16;                        // weight rows per OpenMP work item
 
 typedef uint16_t HalfBits __attribute__((vector_size(kVectorBytes / 2)));
@@ -206,11 +206,7 @@ void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float
     case 1: dot_rows<Kind, 1>(weight, k, x, n0, n1, sums, n); break;
     case 2: dot_rows<Kind, 2>(weight, k, x, n0, n1, sums, n); break;
     case 3: dot_rows<Kind, 3>(weight, k, x, n0, n1, sums, n); break;
-    case 4: dot_rows<Kind, 4>(weight, k, x, n0, n1, sums, n); break;
-    case 5: dot_rows<Kind, 5>(weight, k, x, n0, n1, sums, n); break;
-    case 6: dot_rows<Kind, 6>(weight, k, x, n0, n1, sums, n); break;
-    case 7: dot_rows<Kind, 7>(weight, k, x, n0, n1, sums, n); break;
-    default: dot_rows<Kind, 8>(weight, k, x, n0, n1, sums, n); break;
+    default: dot_rows<Kind, kMaxRows>(weight, k, x, n0, n1, sums, n); break;
   }
 }
 
@@ -307,11 +303,7 @@ inline void dot_block_bf16(int64_t rows, const uint16_t* weight, int64_t k, cons
     case 1: dot_rows_bf16<1>(weight, k, x, n0, n1, sums, n); break;
     case 2: dot_rows_bf16<2>(weight, k, x, n0, n1, sums, n); break;
     case 3: dot_rows_bf16<3>(weight, k, x, n0, n1, sums, n); break;
-    case 4: dot_rows_bf16<4>(weight, k, x, n0, n1, sums, n); break;
-    case 5: dot_rows_bf16<5>(weight, k, x, n0, n1, sums, n); break;
-    case 6: dot_rows_bf16<6>(weight, k, x, n0, n1, sums, n); break;
-    case 7: dot_rows_bf16<7>(weight, k, x, n0, n1, sums, n); break;
-    default: dot_rows_bf16<8>(weight, k, x, n0, n1, sums, n); break;
+    default: dot_rows_bf16<kMaxRows>(weight, k, x, n0, n1, sums, n); break;
   }
 #else
   (void)rows, (void)weight, (void)k, (void)x, (void)n0, (void)n1, (void)sums, (void)n;
@@ -334,11 +326,20 @@ struct Segment {
 // 128 rows: 82-111 GFLOP/s of a 204 peak). Here each output is one float32 sum over k in order (one FMA chain per
 // output lane), computed in a register tile of kTileN weight rows by kPanel rows of x: a result does not depend on
 // the other rows of the call, but its bits may differ from the dot products' at fewer rows.
+//
+// Where at most one vector of rows is left after the whole panels (16 rows at a decode step of 16 sequences, the
+// last 16 of 48), the last panel is one vector wide and its tiles twice as tall (`gemm_tile_narrow`): a panel of
+// two vectors half of zeros cost as much as a full one (smollm2's float32 layers on a 2-core AVX-512 EPYC: 45.0 ms
+// at 16 rows, 46.0 at 32). Each output lane is the same FMA chain over k in either, so the bits do not change.
 
 constexpr int64_t kPanel = 2 * L;        // rows of x per panel: two vectors
 constexpr int64_t kTileN = 6;            // weight rows per register tile (12 accumulators, 15 of 16 AVX2 registers)
 constexpr int64_t kGemmTask = 4 * kTileN;   // weight rows per OpenMP work item
-constexpr int64_t kGemmMinRows = 16;     // rows of x from which the blocked product runs
+// Rows of x from which the blocked product runs. With AVX-512 a panel of one vector holds 16 rows, and from 5 rows
+// on it beats passes of dot products (smollm2's layers on a 2-core AVX-512 EPYC, ms: float32 29.8 dot products at
+// 4 rows, 34.9 at 5, 33.2 at 6, 32.5 at 8, 44 at 15 against 29-31 blocked at 16; bfloat16 16.9, 18.5, 20.1 at 4, 5,
+// 6, 17.6 at 8 against 16.4-17.8). With narrower vectors (panels of 8 and 16 rows) it stays 16, as measured then.
+constexpr int64_t kGemmMinRows = L >= 16 ? 5 : 16;
 
 inline FloatVector broadcast(const float* p) {   // a load that fills every lane (vbroadcastss from memory)
 #if defined(__AVX512F__)
@@ -355,16 +356,31 @@ inline FloatVector broadcast(const float* p) {   // a load that fills every lane
   return f;
 }
 
-// x's rows [p * kPanel, (p + 1) * kPanel) widened to float32 and stored k-major (element i of lane r at
-// i * kPanel + r), rows past m as zeros.
+// How x's m rows fall into panels: `count` panels of kPanel lanes, the last one of `last_lanes` (L where at most
+// L rows are left for it, else kPanel); `lanes` in all (m padded), panel p's data at p * kPanel lanes per element.
+struct PanelLayout {
+  int64_t count, last_lanes, lanes;
+
+  explicit PanelLayout(int64_t m) {
+    const int64_t whole = m / kPanel, rest = m % kPanel;
+    count = whole + (rest > 0 ? 1 : 0);
+    last_lanes = rest > 0 && rest <= L ? L : kPanel;
+    lanes = whole * kPanel + (rest > 0 ? last_lanes : 0);
+  }
+  int64_t width(int64_t p) const { return p == count - 1 ? last_lanes : kPanel; }
+};
+
+// x's rows [p * kPanel, p * kPanel + lanes) widened to float32 and stored k-major (element i of lane r at
+// i * lanes + r), rows past m as zeros.
 template <int64_t Kind>
-void pack_panel(const Element<Kind>* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, float* panels) {
+void pack_panel(const Element<Kind>* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, int64_t lanes,
+                float* panels) {
   float* dst = panels + p * k * kPanel;
-  const int64_t rows = m - p * kPanel < kPanel ? m - p * kPanel : kPanel;
+  const int64_t rows = m - p * kPanel < lanes ? m - p * kPanel : lanes;
   const Element<Kind>* src = x + p * kPanel * x_stride;
-  for (int64_t i = 0; i < k; ++i) {   // element by element: the panel is written in order, x read along 16 rows
-    for (int64_t lane = 0; lane < rows; ++lane) dst[i * kPanel + lane] = widen_one<Kind>(src[lane * x_stride + i]);
-    for (int64_t lane = rows; lane < kPanel; ++lane) dst[i * kPanel + lane] = 0.0f;
+  for (int64_t i = 0; i < k; ++i) {   // element by element: the panel is written in order, x read along its rows
+    for (int64_t lane = 0; lane < rows; ++lane) dst[i * lanes + lane] = widen_one<Kind>(src[lane * x_stride + i]);
+    for (int64_t lane = rows; lane < lanes; ++lane) dst[i * lanes + lane] = 0.0f;
   }
 }
 
@@ -395,19 +411,38 @@ inline void gemm_tile(const float* panel, const float* w, int64_t k, float* sums
   }
 }
 
+// gemm_tile for a panel of one vector (L lanes, element i at i * L): kTileN accumulators, each lane's sum the same
+// FMA chain as gemm_tile's. Taller tiles were slower (one pointer per weight row: at 12 rows and more the compiler
+// runs out of registers; smollm2's 1536 x 576 layer at 16 rows, L3-hot, on a 2-core AVX-512 EPYC: 142 us with 6
+// rows, 151 with 8, 194 with 12; 275 us at 32 rows with gemm_tile). Every other step it prefetches one line of
+// [ahead, ahead + ahead_bytes), as gemm_tile.
+inline void gemm_tile_narrow(const float* panel, const float* w, int64_t k, float* sums, int64_t stride,
+                             const char* ahead, int64_t ahead_bytes) {
+  FloatVector c[kTileN] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    if ((i & 1) == 0 && (i >> 1) * 64 < ahead_bytes) __builtin_prefetch(ahead + (i >> 1) * 64, 0, 2);
+    const FloatVector x0 = cpu_kernels::load<float>(panel + i * L);
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < kTileN; ++r) c[r] += broadcast(w + r * k + i) * x0;
+  }
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < kTileN; ++r) cpu_kernels::store<float>(sums + r * stride, c[r]);
+}
+
 // The blocked product for bfloat16 through AVX512_BF16. A panel holds kPanel rows of x in pairs of elements along
 // k: pair q of lane r at q * 2 * kPanel + r * 2 (the layout vdpbf16ps reads), zeros past x's rows and past k. A
 // tile's weights are read in place, one pair of a row broadcast to every lane per step: no widening, no copy.
 
 inline int64_t bf16_pairs(int64_t k) { return (k + 1) / 2; }
 
-inline void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, uint16_t* panels) {
+inline void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, int64_t lanes,
+                            uint16_t* panels) {
   uint16_t* dst = panels + p * bf16_pairs(k) * 2 * kPanel;
-  const int64_t rows = m - p * kPanel < kPanel ? m - p * kPanel : kPanel;
+  const int64_t rows = m - p * kPanel < lanes ? m - p * kPanel : lanes;
   const uint16_t* src = x + p * kPanel * x_stride;
   for (int64_t q = 0; q < bf16_pairs(k); ++q) {
-    uint16_t* pair = dst + q * 2 * kPanel;
-    for (int64_t lane = 0; lane < kPanel; ++lane) {
+    uint16_t* pair = dst + q * 2 * lanes;
+    for (int64_t lane = 0; lane < lanes; ++lane) {
       const bool row = lane < rows;
       pair[2 * lane] = row ? src[lane * x_stride + 2 * q] : 0;
       pair[2 * lane + 1] = row && 2 * q + 1 < k ? src[lane * x_stride + 2 * q + 1] : 0;
@@ -458,8 +493,31 @@ inline void gemm_tile_bf16(const uint16_t* panel, const uint16_t* w, int64_t k, 
     _mm512_storeu_ps(sums + r * stride + L, tile[r][1]);
   }
 }
+
+// gemm_tile_bf16 for a panel of one vector (pair q at q * 2 * L), kTileN weight rows as gemm_tile_narrow.
+inline void gemm_tile_bf16_narrow(const uint16_t* panel, const uint16_t* w, int64_t k, float* sums, int64_t stride,
+                                  const char* ahead, int64_t ahead_bytes) {
+  __m512 c[kTileN];
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < kTileN; ++r) c[r] = _mm512_setzero_ps();
+  const int64_t whole = k / 2;
+  for (int64_t q = 0; q < whole; ++q) {
+    if (q * 64 < ahead_bytes) __builtin_prefetch(ahead + q * 64, 0, 2);
+    const __m512bh x0 = bf16_load(panel + q * 2 * L);
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < kTileN; ++r) c[r] = _mm512_dpbf16_ps(c[r], bf16_pair(w + r * k + 2 * q), x0);
+  }
+  if (k % 2 == 1) {   // the last element alone, as in gemm_tile_bf16
+    const __m512bh x0 = bf16_load(panel + whole * 2 * L);
+    for (int64_t r = 0; r < kTileN; ++r)
+      c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * k + k - 1])), x0);
+  }
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < kTileN; ++r) _mm512_storeu_ps(sums + r * stride, c[r]);
+}
 #else
 inline void gemm_tile_bf16(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
+inline void gemm_tile_bf16_narrow(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
 #endif
 
 // The packed panels' element: bfloat16 pairs for gemm_tile_bf16, float32 otherwise.
@@ -475,7 +533,8 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
   thread_local std::vector<float> wide, sums;
   constexpr bool kHalf = Kind == kBFloat16 && kNativeBFloat16;   // bfloat16 through gemm_tile_bf16
   const int64_t rows = n1 - n0, tiled = (rows + kTileN - 1) / kTileN * kTileN;
-  const int64_t m_pad = (m + kPanel - 1) / kPanel * kPanel;
+  const PanelLayout layout(m);
+  const int64_t m_pad = layout.lanes;
   const Element<Kind>* src = seg.weight + n0 * k;
   const std::conditional_t<kHalf, Element<Kind>, float>* w;
   if constexpr (Kind == kFloat32 || kHalf) {
@@ -502,15 +561,28 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
   const int64_t share = (next_rows * k * static_cast<int64_t>(sizeof(Element<Kind>)) + tiled / kTileN - 1) /
                         (tiled / kTileN);
   sums.resize(static_cast<size_t>(tiled * m_pad));
-  for (int64_t p = 0; p < m_pad / kPanel; ++p)
-    for (int64_t j = 0; j < tiled; j += kTileN) {
-      if constexpr (kHalf)
-        gemm_tile_bf16(panels + p * bf16_pairs(k) * 2 * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel,
-                       m_pad, ahead + (j / kTileN) * share, p == 0 ? share : 0);
-      else
-        gemm_tile(panels + p * k * kPanel, w + j * k, k, sums.data() + j * m_pad + p * kPanel, m_pad,
-                  ahead + (j / kTileN) * share, p == 0 ? share : 0);
+  for (int64_t p = 0; p < layout.count; ++p) {
+    const Packed<Kind>* panel = panels + p * (kHalf ? bf16_pairs(k) * 2 : k) * kPanel;
+    float* const panel_sums = sums.data() + p * kPanel;
+    const int64_t ahead_bytes = p == 0 ? share : 0;
+    if (layout.width(p) == kPanel) {
+      for (int64_t j = 0; j < tiled; j += kTileN) {
+        if constexpr (kHalf)
+          gemm_tile_bf16(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share, ahead_bytes);
+        else
+          gemm_tile(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share, ahead_bytes);
+      }
+      continue;
     }
+    for (int64_t j = 0; j < tiled; j += kTileN) {   // a panel of one vector
+      if constexpr (kHalf)
+        gemm_tile_bf16_narrow(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
+                              ahead_bytes);
+      else
+        gemm_tile_narrow(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
+                         ahead_bytes);
+    }
+  }
   float bias[kGemmTask];
   for (int64_t j = 0; j < rows; ++j) bias[j] = seg.bias != nullptr ? widen_one<Kind>(seg.bias[n0 + j]) : 0.0f;
   for (int64_t r = 0; r < m; ++r) {   // row by row: each output row's share is written in order
@@ -527,7 +599,8 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
   constexpr bool kHalf = Kind == kBFloat16 && kNativeBFloat16;
   thread_local std::vector<Packed<Kind>> packed;
   thread_local std::vector<int64_t> first_task;
-  const int64_t panels = (m + kPanel - 1) / kPanel;
+  const PanelLayout layout(m);
+  const int64_t panels = layout.count;
   packed.resize(static_cast<size_t>(panels * kPanel * (kHalf ? 2 * bf16_pairs(k) : k)));
   first_task.resize(static_cast<size_t>(count + 1));
   int64_t tasks = 0;
@@ -542,8 +615,8 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
   {
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-      if constexpr (kHalf) pack_panel_bf16(x, x_stride, m, k, p, panel_data);
-      else pack_panel<Kind>(x, x_stride, m, k, p, panel_data);
+      if constexpr (kHalf) pack_panel_bf16(x, x_stride, m, k, p, layout.width(p), panel_data);
+      else pack_panel<Kind>(x, x_stride, m, k, p, layout.width(p), panel_data);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {

@@ -59,8 +59,9 @@ def define_ops() -> None:
     """Define `paged_backend::linear_rows(x, weight, bias, max_rows)` (the kernel for operands it takes and at most
     `max_rows` rows when max_rows > 0, PyTorch's linear otherwise), `paged_backend::linear_rows_N(x, w0, b0, ...,
     max_rows)` for N in GROUP_SIZES (N weights over one x in one parallel region, each output as `linear_rows`'s) and
-    `paged_backend::linear_rows_kernel_calls()` (how often their kernel ran in this process) and
-    `paged_backend::linear_rows_native_bfloat16()` (whether it was built for AVX512_BF16), once."""
+    `paged_backend::linear_rows_kernel_calls()` (how often their kernel ran in this process),
+    `paged_backend::linear_rows_native_bfloat16()` (whether it was built for AVX512_BF16) and
+    `paged_backend::linear_rows_blocked_from()` (from how many rows it runs its blocked product), once."""
     if not _operators:
         library = torch.library.Library("paged_backend", "FRAGMENT")
         library.define("linear_rows(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor")
@@ -68,6 +69,7 @@ def define_ops() -> None:
             library.define(group_schema(count))
         library.define("linear_rows_kernel_calls() -> int")
         library.define("linear_rows_native_bfloat16() -> bool")
+        library.define("linear_rows_blocked_from() -> int")
         _operators.append(library)
 
 
@@ -88,6 +90,14 @@ def kernel_calls() -> int:
 def native_bfloat16() -> bool:
     """Whether the kernel multiplies bfloat16 with AVX512_BF16's `vdpbf16ps` (built for a CPU that has it)."""
     return bool(torch.ops.paged_backend.linear_rows_native_bfloat16()) if op_available() else False
+
+
+def blocked_from_rows() -> int:
+    """From how many rows of x the kernel runs its blocked product rather than dot products (5 where it was built
+    for 512-bit vectors, 16 otherwise): from there on an output row does not depend on the call's other rows."""
+    if not op_available():
+        raise RuntimeError("the linear kernel is not available on this machine")
+    return int(torch.ops.paged_backend.linear_rows_blocked_from())
 
 
 def enabled() -> bool:

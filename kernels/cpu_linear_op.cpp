@@ -120,6 +120,8 @@ int64_t linear_rows_kernel_calls() { return kernel_calls.load(std::memory_order_
 
 bool linear_rows_native_bfloat16() { return kNativeBFloat16; }
 
+int64_t linear_rows_blocked_from() { return kGemmMinRows; }
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(paged_backend, CPU, m) {
@@ -132,4 +134,5 @@ TORCH_LIBRARY_IMPL(paged_backend, CPU, m) {
 TORCH_LIBRARY_IMPL(paged_backend, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_kernel_calls", &linear_rows_kernel_calls);
   m.impl("linear_rows_native_bfloat16", &linear_rows_native_bfloat16);
+  m.impl("linear_rows_blocked_from", &linear_rows_blocked_from);
 }

@@ -37,9 +37,11 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 40])
-# up to 15 rows: passes of up to 8 rows (AVX-512) or 4 over each work item's weights; 16 rows and more: the
-# blocked product (17 and 40: panels of x padded with zero rows); 576: a multiple of every
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 40, 48])
+# below the blocked product's first row count (5 with AVX-512, else 16): passes of up to 4 rows of dot products over
+# each work item's weights; from there the blocked product (panels of two vectors of rows padded with zero rows, the
+# last one of one vector where no more rows are left: 17 takes a padded panel of two, 40 and 48 one of one after a
+# whole one with AVX-512); 576: a multiple of every
 # vector width; 67 and 83: tails of vectors and of elements (one-row products read rows of up to 1024 elements one
 # by one, four vectors at a time); 1100: rows long enough for the tiles at one row
 @pytest.mark.parametrize("in_features", [576, 67, 83, 1100])
@@ -73,27 +75,35 @@ def test_random_operands_are_within_one_rounding_of_the_exact_sum(dtype):
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
-def test_a_row_of_a_product_of_16_rows_or_more_does_not_depend_on_its_neighbours(dtype):
-    """From 16 rows on, each output is one float32 sum over k in order, whatever the other rows: a prompt's
-    logits come out bit for bit the same alone or beside other prompts in a step."""
+def test_a_row_of_a_blocked_product_does_not_depend_on_its_neighbours(dtype):
+    """From the blocked product's first row count on (5 with AVX-512, else 16), each output is one float32 sum over
+    k in order, whatever the other rows and whether its panel is one vector wide or two: a prompt's logits come out
+    bit for bit the same alone or beside other prompts in a step, a decode batch's rows the same at any size."""
+    first = cpu_linear.blocked_from_rows()
+    assert first in (5, 16)
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(40, 576, generator=g).to(dtype)
+    x = torch.randn(48, 576, generator=g).to(dtype)
     w = (torch.randn(37, 576, generator=g) * 0.05).to(dtype)
     full = kernel(x, w)
-    for start, stop in [(0, 16), (0, 17), (16, 33), (23, 40), (1, 40)]:
+    slices = [(0, 16), (0, 17), (16, 33), (23, 40), (1, 40), (0, 48), (32, 48), (5, 48)]
+    slices += [(3, 3 + first), (10, 10 + first + 2)]
+    for start, stop in slices:
         assert torch.equal(kernel(x[start:stop], w), full[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
-def test_a_row_of_a_product_of_2_to_15_rows_does_not_depend_on_how_the_rows_are_split_into_passes(dtype):
-    """Below 16 rows each output is one dot product over k whatever the other rows and the pass (up to 8 rows at a
-    time with AVX-512, 4 with AVX2) it falls in, except a pass of one row over rows of up to 1024 elements, which
-    reads them row by row in another order (dot_row): no slice here leaves one row alone in a pass."""
+def test_a_row_of_dot_products_does_not_depend_on_how_the_rows_are_split_into_passes(dtype):
+    """Below the blocked product's first row count each output is one dot product over k whatever the other rows
+    and the pass of up to 4 rows it falls in, except a pass of one row over rows of up to 1024 elements, which reads
+    them row by row in another order (dot_row): no slice here leaves one row alone in a pass."""
+    below = cpu_linear.blocked_from_rows() - 1
     g = torch.Generator().manual_seed(13)
-    x = torch.randn(15, 576, generator=g).to(dtype)
+    x = torch.randn(below, 576, generator=g).to(dtype)
     w = (torch.randn(37, 576, generator=g) * 0.05).to(dtype)
     full = kernel(x, w)
-    for start, stop in [(0, 2), (3, 9), (4, 12), (7, 15), (1, 11), (8, 15)]:
+    slices = [(0, 2), (1, 3), (2, 4), (0, 3), (1, 4)] if below == 4 else \
+        [(0, 2), (3, 9), (4, 12), (7, 15), (1, 11), (8, 15)]
+    for start, stop in slices:
         assert torch.equal(kernel(x[start:stop], w), full[start:stop]), (start, stop)
 
 
