@@ -22,6 +22,13 @@
 
 #include "cpu_vector.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#else
+inline int omp_get_thread_num() { return 0; }
+inline int omp_get_num_threads() { return 1; }
+#endif
+
 namespace {
 
 using namespace cpu_kernels;
@@ -179,6 +186,7 @@ struct Params {
 struct WorkItem {
   int64_t seq, row_begin, row_end;  // query rows [row_begin, row_end) of sequence seq
   int64_t kv_begin, kv_end;         // its KV heads [kv_begin, kv_end): all, unless items are fewer than threads
+  int64_t g_begin, g_end;           // the query heads [g_begin, g_end) of each KV head's group (all but in a split)
 };
 
 constexpr int64_t kRowBlock = 4;  // query rows sharing each loaded K/V vector in the prefill micro-kernels
@@ -518,16 +526,18 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
   const int64_t* table = p.block_tables + item.seq * p.table_width;
   w.resize(rows, kv_heads, d_size);
 
-  // Rows are ordered (KV head, token, head within the group), so each KV head's rows are contiguous.
-  auto row_of = [&](int64_t kv_head, int64_t t, int64_t g) { return (kv_head * num_tokens + t) * group + g; };
+  // Rows are ordered (KV head, token, head within the item's part of the group), so each KV head's rows are
+  // contiguous; query head kh * group + g0 + g.
+  const int64_t g0 = item.g_begin, shown = item.g_end - item.g_begin;
+  auto row_of = [&](int64_t kv_head, int64_t t, int64_t g) { return (kv_head * num_tokens + t) * shown + g; };
   for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh)
     for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        const Acc* src = p.query + ((item.row_begin + t) * heads + kh * group + g) * d_size;
+      for (int64_t g = 0; g < shown; ++g) {
+        const Acc* src = p.query + ((item.row_begin + t) * heads + kh * group + g0 + g) * d_size;
         Acc* dst = w.q.data() + row_of(kh, t, g) * d_size;
         for (int64_t d = 0; d < d_size; ++d) dst[d] = src[d] * p.scale;
       }
-  const int64_t kv_rows = num_tokens * group;
+  const int64_t kv_rows = num_tokens * shown;
   // float32 queries over a cache of any type but float64, with fewer than kRowBlock rows per KV head (decode)
   // and a head size of whole vectors: cache rows read in place (RawRows)
   constexpr bool kInPlace = std::is_same_v<Acc, float> && Type != kF64;
@@ -567,7 +577,7 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
         const int64_t qpos = first_pos + t;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - tile) : 0;
         const int64_t hi = std::min(n, qpos + 1 - tile);
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < shown; ++g) {
           const int64_t r = row_of(kh, t, g);
           Acc* s = w.scores.data() + r * kKeyTile;
           if (hi <= lo) {
@@ -603,8 +613,8 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
   }
   for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh)
     for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = row_of(kh, t, g), head = kh * group + g;
+      for (int64_t g = 0; g < shown; ++g) {
+        const int64_t r = row_of(kh, t, g), head = kh * group + g0 + g;
         Acc denom = w.l[r];
         if (p.sinks != nullptr) denom += std::exp(p.sinks[head] - w.m[r]);
         const Acc factor = p.v_scale / denom;
@@ -614,37 +624,80 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
       }
 }
 
-// Query tiles with all their KV heads, so each K/V row is read once; where there are fewer tiles than threads (a
-// decode step of fewer sequences than cores) each tile's KV heads are split among the threads instead. Heads do not
+// Query tiles with all their KV heads, so each K/V row is read once (one item each, shared among the threads as they
+// come). Where there are fewer tiles than threads (a decode step of fewer sequences than cores) each tile's query
+// heads are split into `parts` equal shares in (KV head, head within its group) order instead, one per thread: a
+// share is whole KV heads, or parts of a group where their number of rows stays below kRowBlock (the few-row path,
+// as the whole group's), a KV head split so having its K/V rows read by each share. At batch 1 with smollm2's 3 KV
+// heads of 3 query heads on 2 threads, 5 and 4 query heads instead of 2 and 1 KV heads (6 and 3). Heads do not
 // interact: the results are the same bit for bit.
-std::vector<WorkItem> work_items(const int64_t* query_start, int64_t num_seqs, int64_t kv_heads,
-                                 int64_t num_threads) {
+struct WorkPlan {
   std::vector<WorkItem> items;
+  std::vector<int64_t> shares;   // share c: items [shares[c], shares[c + 1]); empty: every item on its own
+};
+
+// A tile's query heads [u0, u1) in (KV head, head within the group) order, as items of whole KV heads or of one KV
+// head's part of its group.
+void share_items(const WorkItem& tile, int64_t group, int64_t u0, int64_t u1, std::vector<WorkItem>& out) {
+  while (u0 < u1) {
+    const int64_t kh = u0 / group, g = u0 % group;
+    if (g == 0 && u1 - u0 >= group) {   // whole KV heads
+      const int64_t whole = (u1 - u0) / group;
+      out.push_back({tile.seq, tile.row_begin, tile.row_end, kh, kh + whole, 0, group});
+      u0 += whole * group;
+      continue;
+    }
+    const int64_t g_end = std::min(group, g + (u1 - u0));
+    out.push_back({tile.seq, tile.row_begin, tile.row_end, kh, kh + 1, g, g_end});
+    u0 += g_end - g;
+  }
+}
+
+WorkPlan work_items(const int64_t* query_start, int64_t num_seqs, int64_t kv_heads, int64_t group,
+                    int64_t num_threads) {
+  WorkPlan plan;
+  std::vector<WorkItem>& items = plan.items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t row = query_start[s]; row < query_start[s + 1]; row += kQueryTile)
-      items.push_back({s, row, std::min(row + kQueryTile, query_start[s + 1]), 0, kv_heads});
+      items.push_back({s, row, std::min(row + kQueryTile, query_start[s + 1]), 0, kv_heads, 0, group});
   }
   const int64_t tiles = int64_t(items.size());
-  if (tiles == 0 || tiles >= num_threads || kv_heads < 2) return items;
-  const int64_t parts = std::min(kv_heads, (num_threads + tiles - 1) / tiles);   // KV-head groups per tile
-  std::vector<WorkItem> split;
-  for (const WorkItem& item : items)
-    for (int64_t part = 0; part < parts; ++part)
-      split.push_back({item.seq, item.row_begin, item.row_end, kv_heads * part / parts, kv_heads * (part + 1) / parts});
-  return split;
+  if (tiles == 0 || tiles >= num_threads || kv_heads * group < 2) return plan;
+  const std::vector<WorkItem> whole = items;
+  items.clear();
+  for (const WorkItem& tile : whole) {
+    // a group's rows split only while each part keeps the whole group's few-row path
+    const bool split_groups = (tile.row_end - tile.row_begin) * group < kRowBlock;
+    const int64_t units = split_groups ? kv_heads * group : kv_heads, unit = split_groups ? 1 : group;
+    const int64_t parts = std::min(units, (num_threads + tiles - 1) / tiles);
+    for (int64_t part = 0; part < parts; ++part) {
+      plan.shares.push_back(int64_t(items.size()));
+      share_items(tile, group, units * part / parts * unit, units * (part + 1) / parts * unit, items);
+    }
+  }
+  plan.shares.push_back(int64_t(items.size()));
+  return plan;
 }
 
 template <typename Acc, int64_t Type>
 void run(const Params<Acc>& p, int64_t num_seqs, int64_t num_threads) {
-  const std::vector<WorkItem> items = work_items(p.query_start, num_seqs, p.num_kv_heads, num_threads);
+  const WorkPlan plan = work_items(p.query_start, num_seqs, p.num_kv_heads, p.num_heads / p.num_kv_heads,
+                                   num_threads);
+  const std::vector<WorkItem>& items = plan.items;
   const int64_t total = int64_t(items.size());
+  const int64_t shares = plan.shares.empty() ? 0 : int64_t(plan.shares.size()) - 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && total > 1)
   {
     // per thread and kept between calls: a decode step calls the kernel once per layer, and allocating the
     // scratch vectors each time cost as much as attending over a short context
     static thread_local Scratch<Acc> scratch;
+    if (shares > 0) {   // share c on thread c (modulo the threads the team has)
+      for (int64_t c = omp_get_thread_num(); c < shares; c += omp_get_num_threads())
+        for (int64_t i = plan.shares[c]; i < plan.shares[c + 1]; ++i) attend_item<Acc, Type>(p, items[i], scratch);
+    } else {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < total; ++i) attend_item<Acc, Type>(p, items[i], scratch);
+      for (int64_t i = 0; i < total; ++i) attend_item<Acc, Type>(p, items[i], scratch);
+    }
   }
 }
 

@@ -125,18 +125,20 @@ def test_cpu_kernel_is_deterministic_across_thread_counts():
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("kv_heads", [3, 4])
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (4, 3), (1, 3), (2, 4), (3, 1)])
 @pytest.mark.parametrize("context_lens", [[170], [9, 300]], ids=["one-sequence", "two-sequences"])
-def test_decode_steps_of_fewer_sequences_than_threads_split_the_kv_heads_with_the_same_results(kv_heads,
-                                                                                             context_lens):
-    """At one new token per sequence and fewer sequences than threads, each sequence's KV heads are shared among
-    the threads (cpu_attention.cpp, `work_items`): bit-identical to one thread attending all of them."""
-    inputs = make_paged_inputs(case_seed(f"cpu-split-{kv_heads}-{len(context_lens)}"), torch.float32, 3 * kv_heads,
-                               kv_heads, 32, 16, context_lens, [1] * len(context_lens))
+def test_decode_steps_of_fewer_sequences_than_threads_split_the_heads_with_the_same_results(kv_heads, group,
+                                                                                          context_lens):
+    """At one new token per sequence and fewer sequences than threads, each sequence's query heads are shared
+    among the threads (cpu_attention.cpp, `work_items`): in whole KV heads, or in parts of a group of fewer than
+    4 query heads (3 KV heads of 3 on 2 threads: 5 and 4 query heads; one KV head of 3 on 2 or 3 threads), or whole
+    KV heads only (a group of 4): bit-identical to one thread attending all of them."""
+    inputs = make_paged_inputs(case_seed(f"cpu-split-{kv_heads}-{group}-{len(context_lens)}"), torch.float32,
+                               group * kv_heads, kv_heads, 32, 16, context_lens, [1] * len(context_lens))
     threads = torch.get_num_threads()
     outs = {}
     try:
-        for count in (1, 2, 3, 8):
+        for count in (1, 2, 3, 4, 8):
             torch.set_num_threads(count)
             outs[count] = cpu.paged_attention(*inputs.args())
     finally:
