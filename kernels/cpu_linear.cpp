@@ -184,8 +184,12 @@ inline float dot_row(const Element<Kind>* w, int64_t k, const float* x) {
   return s;
 }
 
-// The longest rows (in elements) that one-row products read row by row (dot_row) rather than in tiles.
+// The longest rows (in elements) that one-row products read row by row (dot_row) rather than in tiles; bfloat16
+// through vdpbf16ps (dot_row_bf16) up to twice as many, the same 4 KiB per row (smollm2's 1536-wide down
+// projections at 1 row on a 2-core AVX-512 EPYC, one process alternating two builds, weights from memory: 1.91
+// against 2.37 ms for the 30 layers in float32 FMA tiles; float32 read row by row there was slower, 4.29 against 3.77).
 constexpr int64_t kRowByRowMaxK = 1024;
+constexpr int64_t kRowByRowMaxKBf16 = 2048;
 
 template <int64_t Kind, int64_t M>
 void dot_rows(const Element<Kind>* weight, int64_t k, const float* x, int64_t n0, int64_t n1, float* sums, int64_t n) {
@@ -284,7 +288,7 @@ inline float dot_row_bf16(const uint16_t* w, int64_t k, const uint16_t* x) {
 template <int64_t M>
 void dot_rows_bf16(const uint16_t* weight, int64_t k, const uint16_t* x, int64_t n0, int64_t n1, float* sums,
                    int64_t n) {
-  if (M == 1 && k <= kRowByRowMaxK) {
+  if (M == 1 && k <= kRowByRowMaxKBf16) {
     for (int64_t j = n0; j < n1; ++j) sums[j] = dot_row_bf16(weight + j * k, k, x);
     return;
   }
@@ -640,11 +644,11 @@ void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segme
     gemm<Kind>(x, x_stride, segments, count, m, k, num_threads);
     return;
   }
-  // x stays bfloat16 for dot_block_bf16 from two rows on, and at one row over rows of up to kRowByRowMaxK elements
-  // (dot_row_bf16: smollm2's layers at 1 row on a 2-core Xeon, weights in huge pages, 11.3-11.7 -> 10.4-10.7 ms).
-  // Longer rows at one row keep float32 FMAs: vdpbf16ps tiles were slower there (on a 2-core AVX-512 EPYC, FMAs
-  // 11.6 ms against 12.9 over smollm2's layers; the row-by-row form was not measured on that CPU).
-  const bool half_x = Kind == kBFloat16 && kNativeBFloat16 && (m > 1 || k <= kRowByRowMaxK);
+  // x stays bfloat16 for dot_block_bf16 from two rows on, and at one row over rows of up to kRowByRowMaxKBf16
+  // elements (dot_row_bf16: smollm2's layers at 1 row on a 2-core Xeon, weights in huge pages, 11.3-11.7 -> 10.4-10.7
+  // ms; its 1536-wide rows on a 2-core AVX-512 EPYC, above). Longer rows at one row keep float32 FMAs: vdpbf16ps
+  // tiles were slower there (on the AVX-512 EPYC, FMAs 11.6 ms against 12.9 over smollm2's layers).
+  const bool half_x = Kind == kBFloat16 && kNativeBFloat16 && (m > 1 || k <= kRowByRowMaxKBf16);
   thread_local std::vector<float> wide, sums;   // x in float32, and the float32 results before rounding
   thread_local std::vector<uint16_t> half;      // or x in bfloat16, rows contiguous
   thread_local std::vector<int64_t> first_task, sum_offset;   // per segment: its first work item, its sums

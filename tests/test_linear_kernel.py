@@ -43,8 +43,9 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 # last one of one vector where no more rows are left: 17 takes a padded panel of two, 40 and 48 one of one after a
 # whole one with AVX-512); 576: a multiple of every
 # vector width; 67 and 83: tails of vectors and of elements (one-row products read rows of up to 1024 elements one
-# by one, four vectors at a time); 1100: rows long enough for the tiles at one row
-@pytest.mark.parametrize("in_features", [576, 67, 83, 1100])
+# by one, four vectors at a time; bfloat16 through AVX512_BF16 up to 2048); 1100: rows long enough for the tiles at
+# one row (float32, float16, and bfloat16 without AVX512_BF16); 2100: for all
+@pytest.mark.parametrize("in_features", [576, 67, 83, 1100, 2100])
 def test_integer_operands_give_the_exactly_rounded_sum(dtype, rows, in_features):
     """Small integers: every product and partial sum is exact in float32, so the result is the exact sum rounded
     once to the dtype, whatever the order of the additions; any misplaced row, column or tail element shows."""
@@ -294,16 +295,16 @@ def test_the_compiled_graph_calls_the_operator(limit):
 
 def test_bfloat16_subnormal_operands_count_as_zero_exactly_where_avx512_bf16_multiplies_them():
     """Built for AVX512_BF16, bfloat16 products go through `vdpbf16ps` (from two rows on, and at one row over rows
-    of up to 1024 elements), which counts operands below float32's normal range as zero (PyTorch's float32 sums
+    of up to 2048 elements), which counts operands below float32's normal range as zero (PyTorch's float32 sums
     keep them); one row over longer rows, and every product in a build without it, stays float32 FMAs, which keep
     them."""
     from paged_backend.kernels.cpu_features import cpu_features
 
     native = cpu_linear.native_bfloat16()
     assert not native or cpu_features().has("avx512_bf16")   # the build follows the CPU (-march=native)
-    for k in (64, 1088):
+    for k in (64, 1088, 2112):
         w = torch.full((3, k), 2.0 ** 60, dtype=torch.bfloat16)
         for rows in (1, 2, 8, 16):
             x = torch.full((rows, k), 2.0 ** -130, dtype=torch.bfloat16)   # subnormal
-            expected = 0.0 if native and (rows > 1 or k <= 1024) else k * 2.0 ** -70
+            expected = 0.0 if native and (rows > 1 or k <= 2048) else k * 2.0 ** -70
             assert kernel(x, w).float().unique().tolist() == [expected], (k, rows, native)
