@@ -10,8 +10,9 @@
 // (round to nearest even), as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions
 // differs from theirs.
 //
-// From kGemmMinRows rows of x on (16, or 5 with AVX-512), a blocked product replaces the dot products (`gemm`): x
-// packed once per call into panels of 2 vectors of rows (the last one of 1 vector where no more rows are left),
+// From gemm_min_rows rows of x on (16; with AVX-512 5, float32 2), a blocked product replaces the dot products
+// (`gemm`): x packed once per call into panels of 2 vectors of rows (the last one of 1 or, with AVX-512, half a
+// vector where no more rows are left),
 // each work item's weight rows widened once to float32, and a 6-row by 2-vector (or 1-vector) register tile that
 // broadcasts one weight and loads the vectors of x per step (no widening or horizontal sums in the inner loop).
 //
@@ -36,7 +37,7 @@ namespace {
 using cpu_kernels::FloatVector;
 using cpu_kernels::kVectorBytes;
 constexpr int64_t L = cpu_kernels::Vector<float>::lanes;   // floats per vector
-// Rows of x per pass over a work item's weights (8 accumulators of 2 weight rows by 4; from kGemmMinRows rows on
+// Rows of x per pass over a work item's weights (8 accumulators of 2 weight rows by 4; from gemm_min_rows rows on
 // the blocked product takes over). An output's sum does not depend on the pass.
 constexpr int64_t kMaxRows = 4;
 constexpr int64_t kRowsPerTask = 16;                        // weight rows per OpenMP work item
@@ -332,9 +333,10 @@ struct Segment {
 // the other rows of the call, but its bits may differ from the dot products' at fewer rows.
 //
 // Where at most one vector of rows is left after the whole panels (16 rows at a decode step of 16 sequences, the
-// last 16 of 48), the last panel is one vector wide and its tiles twice as tall (`gemm_tile_narrow`): a panel of
-// two vectors half of zeros cost as much as a full one (smollm2's float32 layers on a 2-core AVX-512 EPYC: 45.0 ms
-// at 16 rows, 46.0 at 32). Each output lane is the same FMA chain over k in either, so the bits do not change.
+// last 16 of 48), the last panel is one vector wide (`gemm_tile_narrow`), and with AVX-512 half a vector where at
+// most 8 are left (`gemm_tile_quarter`): a panel of two vectors half of zeros cost as much as a full one (smollm2's
+// float32 layers on a 2-core AVX-512 EPYC: 45.0 ms at 16 rows, 46.0 at 32). Each output lane is the same FMA chain
+// over k in any of them, so the bits do not change.
 
 constexpr int64_t kPanel = 2 * L;        // rows of x per panel: two vectors
 constexpr int64_t kTileN = 6;            // weight rows per register tile (12 accumulators, 15 of 16 AVX2 registers)
@@ -344,6 +346,14 @@ constexpr int64_t kGemmTask = 4 * kTileN;   // weight rows per OpenMP work item
 // 4 rows, 34.9 at 5, 33.2 at 6, 32.5 at 8, 44 at 15 against 29-31 blocked at 16; bfloat16 16.9, 18.5, 20.1 at 4, 5,
 // 6, 17.6 at 8 against 16.4-17.8). With narrower vectors (panels of 8 and 16 rows) it stays 16, as measured then.
 constexpr int64_t kGemmMinRows = L >= 16 ? 5 : 16;
+// Float32 with AVX-512 from 2 rows: up to 8 rows a panel of half a vector (`gemm_tile_quarter`) beats passes of dot
+// products (all of smollm2's layers, one process alternating two builds, weights from memory: 20.6 against 22.6 ms
+// at 2 rows, 21.7 against 27.4 at 4, 22.7 against 33.3 at 8 with a one-vector panel). Half precision keeps 5: its
+// dot products stay faster below (bfloat16 at 2 rows 14.4 against 17.3; float16, whose weights the blocked product
+// widens into a copy, 15.2 against 22.5), and from 5 to 8 rows bfloat16 takes the half-vector panel too (16.6
+// against 18.2 ms at 8).
+template <int64_t Kind>
+constexpr int64_t gemm_min_rows() { return Kind == kFloat32 && L >= 16 ? 2 : kGemmMinRows; }
 
 inline FloatVector broadcast(const float* p) {   // a load that fills every lane (vbroadcastss from memory)
 #if defined(__AVX512F__)
@@ -362,13 +372,14 @@ inline FloatVector broadcast(const float* p) {   // a load that fills every lane
 
 // How x's m rows fall into panels: `count` panels of kPanel lanes, the last one of `last_lanes` (L where at most
 // L rows are left for it, else kPanel); `lanes` in all (m padded), panel p's data at p * kPanel lanes per element.
+constexpr int64_t kQuarter = L >= 16 ? L / 2 : L;   // the narrowest panel: half a vector with AVX-512
 struct PanelLayout {
   int64_t count, last_lanes, lanes;
 
   explicit PanelLayout(int64_t m) {
     const int64_t whole = m / kPanel, rest = m % kPanel;
     count = whole + (rest > 0 ? 1 : 0);
-    last_lanes = rest > 0 && rest <= L ? L : kPanel;
+    last_lanes = rest > 0 && rest <= kQuarter ? kQuarter : rest > 0 && rest <= L ? L : kPanel;
     lanes = whole * kPanel + (rest > 0 ? last_lanes : 0);
   }
   int64_t width(int64_t p) const { return p == count - 1 ? last_lanes : kPanel; }
@@ -431,6 +442,22 @@ inline void gemm_tile_narrow(const float* panel, const float* w, int64_t k, floa
   }
 #pragma GCC unroll 6
   for (int64_t r = 0; r < kTileN; ++r) cpu_kernels::store<float>(sums + r * stride, c[r]);
+}
+
+// gemm_tile_narrow for a panel of half a vector (kQuarter lanes): the same FMA chain per lane in half the width.
+typedef float QuarterVector __attribute__((vector_size(kQuarter * 4)));
+inline void gemm_tile_quarter(const float* panel, const float* w, int64_t k, float* sums, int64_t stride,
+                              const char* ahead, int64_t ahead_bytes) {
+  QuarterVector c[kTileN] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    if ((i & 1) == 0 && (i >> 1) * 64 < ahead_bytes) __builtin_prefetch(ahead + (i >> 1) * 64, 0, 2);
+    QuarterVector x0;
+    std::memcpy(&x0, panel + i * kQuarter, sizeof x0);
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < kTileN; ++r) c[r] += w[r * k + i] * x0;
+  }
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < kTileN; ++r) std::memcpy(sums + r * stride, &c[r], sizeof c[r]);
 }
 
 // The blocked product for bfloat16 through AVX512_BF16. A panel holds kPanel rows of x in pairs of elements along
@@ -519,8 +546,34 @@ inline void gemm_tile_bf16_narrow(const uint16_t* panel, const uint16_t* w, int6
 #pragma GCC unroll 6
   for (int64_t r = 0; r < kTileN; ++r) _mm512_storeu_ps(sums + r * stride, c[r]);
 }
+// gemm_tile_bf16_narrow for a panel of half a vector (8 lanes, 256-bit vdpbf16ps).
+inline void gemm_tile_bf16_quarter(const uint16_t* panel, const uint16_t* w, int64_t k, float* sums, int64_t stride,
+                                   const char* ahead, int64_t ahead_bytes) {
+  __m256 c[kTileN];
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < kTileN; ++r) c[r] = _mm256_setzero_ps();
+  const int64_t whole = k / 2;
+  for (int64_t q = 0; q < whole; ++q) {
+    if (q * 64 < ahead_bytes) __builtin_prefetch(ahead + q * 64, 0, 2);
+    const __m256bh x0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 2 * kQuarter));
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < kTileN; ++r) {
+      uint32_t bits;
+      std::memcpy(&bits, w + r * k + 2 * q, 4);
+      c[r] = _mm256_dpbf16_ps(c[r], (__m256bh)_mm256_set1_epi32(static_cast<int>(bits)), x0);
+    }
+  }
+  if (k % 2 == 1) {
+    const __m256bh x0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + whole * 2 * kQuarter));
+    for (int64_t r = 0; r < kTileN; ++r)
+      c[r] = _mm256_dpbf16_ps(c[r], (__m256bh)_mm256_set1_epi32(static_cast<int>(w[r * k + k - 1])), x0);
+  }
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < kTileN; ++r) _mm256_storeu_ps(sums + r * stride, c[r]);
+}
 #else
 inline void gemm_tile_bf16(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
+inline void gemm_tile_bf16_quarter(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
 inline void gemm_tile_bf16_narrow(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
 #endif
 
@@ -578,6 +631,17 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
       }
       continue;
     }
+    if (layout.width(p) < L) {   // half a vector
+      for (int64_t j = 0; j < tiled; j += kTileN) {
+        if constexpr (kHalf)
+          gemm_tile_bf16_quarter(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
+                                 ahead_bytes);
+        else
+          gemm_tile_quarter(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
+                            ahead_bytes);
+      }
+      continue;
+    }
     for (int64_t j = 0; j < tiled; j += kTileN) {   // a panel of one vector
       if constexpr (kHalf)
         gemm_tile_bf16_narrow(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
@@ -595,7 +659,7 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
   }
 }
 
-// out_s = x W_s^T (+ bias_s) for every segment at m >= kGemmMinRows: x packed by both threads, then the segments'
+// out_s = x W_s^T (+ bias_s) for every segment at m >= gemm_min_rows<Kind>(): x packed by both threads, then the segments'
 // kGemmTask-row work items shared among them, in one parallel region.
 template <int64_t Kind>
 void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segments, int64_t count, int64_t m,
@@ -640,7 +704,7 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
 template <int64_t Kind>
 void linear(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segments, int64_t count, int64_t m,
             int64_t k, int64_t num_threads) {
-  if (m >= kGemmMinRows) {
+  if (m >= gemm_min_rows<Kind>()) {
     gemm<Kind>(x, x_stride, segments, count, m, k, num_threads);
     return;
   }

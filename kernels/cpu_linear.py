@@ -61,7 +61,8 @@ def define_ops() -> None:
     max_rows)` for N in GROUP_SIZES (N weights over one x in one parallel region, each output as `linear_rows`'s) and
     `paged_backend::linear_rows_kernel_calls()` (how often their kernel ran in this process),
     `paged_backend::linear_rows_native_bfloat16()` (whether it was built for AVX512_BF16) and
-    `paged_backend::linear_rows_blocked_from()` (from how many rows it runs its blocked product), once."""
+    `paged_backend::linear_rows_blocked_from(kind)` (from how many rows it runs its blocked product for weights of
+    kind 0 bfloat16, 1 float16, 2 float32), once."""
     if not _operators:
         library = torch.library.Library("paged_backend", "FRAGMENT")
         library.define("linear_rows(Tensor x, Tensor weight, Tensor? bias, int max_rows) -> Tensor")
@@ -69,7 +70,7 @@ def define_ops() -> None:
             library.define(group_schema(count))
         library.define("linear_rows_kernel_calls() -> int")
         library.define("linear_rows_native_bfloat16() -> bool")
-        library.define("linear_rows_blocked_from() -> int")
+        library.define("linear_rows_blocked_from(int kind) -> int")
         _operators.append(library)
 
 
@@ -92,12 +93,16 @@ def native_bfloat16() -> bool:
     return bool(torch.ops.paged_backend.linear_rows_native_bfloat16()) if op_available() else False
 
 
-def blocked_from_rows() -> int:
-    """From how many rows of x the kernel runs its blocked product rather than dot products (5 where it was built
-    for 512-bit vectors, 16 otherwise): from there on an output row does not depend on the call's other rows."""
+def blocked_from_rows(dtype: torch.dtype) -> int:
+    """From how many rows of x the kernel runs its blocked product over `dtype` weights rather than dot products
+    (16; where it was built for 512-bit vectors 5, and 2 for float32): from there on an output row does not depend
+    on the call's other rows."""
+    kinds = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+    if dtype not in kinds:
+        raise ValueError(f"blocked_from_rows is for bfloat16, float16 and float32, not {dtype}")
     if not op_available():
         raise RuntimeError("the linear kernel is not available on this machine")
-    return int(torch.ops.paged_backend.linear_rows_blocked_from())
+    return int(torch.ops.paged_backend.linear_rows_blocked_from(kinds[dtype]))
 
 
 def enabled() -> bool:

@@ -120,7 +120,10 @@ int64_t linear_rows_kernel_calls() { return kernel_calls.load(std::memory_order_
 
 bool linear_rows_native_bfloat16() { return kNativeBFloat16; }
 
-int64_t linear_rows_blocked_from() { return kGemmMinRows; }
+int64_t linear_rows_blocked_from(int64_t kind) {
+  return kind == kBFloat16 ? gemm_min_rows<kBFloat16>() : kind == kFloat16 ? gemm_min_rows<kFloat16>()
+                                                                           : gemm_min_rows<kFloat32>();
+}
 
 }  // namespace
 
