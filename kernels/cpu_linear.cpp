@@ -525,56 +525,52 @@ inline void gemm_tile_bf16(const uint16_t* panel, const uint16_t* w, int64_t k, 
   }
 }
 
-// gemm_tile_bf16 for a panel of one vector (pair q at q * 2 * L), kTileN weight rows as gemm_tile_narrow.
-inline void gemm_tile_bf16_narrow(const uint16_t* panel, const uint16_t* w, int64_t k, float* sums, int64_t stride,
-                                  const char* ahead, int64_t ahead_bytes) {
-  __m512 c[kTileN];
+// gemm_tile_bf16 for a panel of one vector (pair q at q * 2 * L, 512-bit vdpbf16ps) or, Full false, of half a
+// vector (8 lanes, 256-bit), kTileN weight rows as gemm_tile_narrow.
+inline __m512 dp_bf16(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+inline __m256 dp_bf16(__m256 acc, __m256bh a, __m256bh b) { return _mm256_dpbf16_ps(acc, a, b); }
+inline void store_sums(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_sums(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+template <bool Full>
+inline void gemm_tile_bf16_one(const uint16_t* panel, const uint16_t* w, int64_t k, float* sums, int64_t stride,
+                               const char* ahead, int64_t ahead_bytes) {
+  using Acc = std::conditional_t<Full, __m512, __m256>;
+  using Pairs = std::conditional_t<Full, __m512bh, __m256bh>;
+  constexpr int64_t lanes = Full ? L : kQuarter;
+  auto load_x = [](const uint16_t* p) -> Pairs {
+    if constexpr (Full) return bf16_load(p);
+    else return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
+  auto pair = [](uint32_t bits) -> Pairs {   // a pair of a weight row's elements in every lane
+    if constexpr (Full) return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+    else return (__m256bh)_mm256_set1_epi32(static_cast<int>(bits));
+  };
+  Acc c[kTileN];
 #pragma GCC unroll 6
-  for (int64_t r = 0; r < kTileN; ++r) c[r] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < kTileN; ++r) c[r] = Acc{};
   const int64_t whole = k / 2;
   for (int64_t q = 0; q < whole; ++q) {
     if (q * 64 < ahead_bytes) __builtin_prefetch(ahead + q * 64, 0, 2);
-    const __m512bh x0 = bf16_load(panel + q * 2 * L);
-#pragma GCC unroll 6
-    for (int64_t r = 0; r < kTileN; ++r) c[r] = _mm512_dpbf16_ps(c[r], bf16_pair(w + r * k + 2 * q), x0);
-  }
-  if (k % 2 == 1) {   // the last element alone, as in gemm_tile_bf16
-    const __m512bh x0 = bf16_load(panel + whole * 2 * L);
-    for (int64_t r = 0; r < kTileN; ++r)
-      c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * k + k - 1])), x0);
-  }
-#pragma GCC unroll 6
-  for (int64_t r = 0; r < kTileN; ++r) _mm512_storeu_ps(sums + r * stride, c[r]);
-}
-// gemm_tile_bf16_narrow for a panel of half a vector (8 lanes, 256-bit vdpbf16ps).
-inline void gemm_tile_bf16_quarter(const uint16_t* panel, const uint16_t* w, int64_t k, float* sums, int64_t stride,
-                                   const char* ahead, int64_t ahead_bytes) {
-  __m256 c[kTileN];
-#pragma GCC unroll 6
-  for (int64_t r = 0; r < kTileN; ++r) c[r] = _mm256_setzero_ps();
-  const int64_t whole = k / 2;
-  for (int64_t q = 0; q < whole; ++q) {
-    if (q * 64 < ahead_bytes) __builtin_prefetch(ahead + q * 64, 0, 2);
-    const __m256bh x0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 2 * kQuarter));
+    const Pairs x0 = load_x(panel + q * 2 * lanes);
 #pragma GCC unroll 6
     for (int64_t r = 0; r < kTileN; ++r) {
       uint32_t bits;
       std::memcpy(&bits, w + r * k + 2 * q, 4);
-      c[r] = _mm256_dpbf16_ps(c[r], (__m256bh)_mm256_set1_epi32(static_cast<int>(bits)), x0);
+      c[r] = dp_bf16(c[r], pair(bits), x0);
     }
   }
-  if (k % 2 == 1) {
-    const __m256bh x0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + whole * 2 * kQuarter));
-    for (int64_t r = 0; r < kTileN; ++r)
-      c[r] = _mm256_dpbf16_ps(c[r], (__m256bh)_mm256_set1_epi32(static_cast<int>(w[r * k + k - 1])), x0);
+  if (k % 2 == 1) {   // the last element alone, as in gemm_tile_bf16
+    const Pairs x0 = load_x(panel + whole * 2 * lanes);
+    for (int64_t r = 0; r < kTileN; ++r) c[r] = dp_bf16(c[r], pair(w[r * k + k - 1]), x0);
   }
 #pragma GCC unroll 6
-  for (int64_t r = 0; r < kTileN; ++r) _mm256_storeu_ps(sums + r * stride, c[r]);
+  for (int64_t r = 0; r < kTileN; ++r) store_sums(sums + r * stride, c[r]);
 }
 #else
 inline void gemm_tile_bf16(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
-inline void gemm_tile_bf16_quarter(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
-inline void gemm_tile_bf16_narrow(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
+template <bool Full>
+inline void gemm_tile_bf16_one(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, const char*, int64_t) {}
 #endif
 
 // The packed panels' element: bfloat16 pairs for gemm_tile_bf16, float32 otherwise.
@@ -634,8 +630,8 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
     if (layout.width(p) < L) {   // half a vector
       for (int64_t j = 0; j < tiled; j += kTileN) {
         if constexpr (kHalf)
-          gemm_tile_bf16_quarter(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
-                                 ahead_bytes);
+          gemm_tile_bf16_one<false>(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
+                                    ahead_bytes);
         else
           gemm_tile_quarter(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
                             ahead_bytes);
@@ -644,8 +640,8 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
     }
     for (int64_t j = 0; j < tiled; j += kTileN) {   // a panel of one vector
       if constexpr (kHalf)
-        gemm_tile_bf16_narrow(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
-                              ahead_bytes);
+        gemm_tile_bf16_one<true>(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
+                                 ahead_bytes);
       else
         gemm_tile_narrow(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
                          ahead_bytes);
