@@ -577,6 +577,21 @@ inline void gemm_tile_bf16_one(const uint16_t*, const uint16_t*, int64_t, float*
 template <int64_t Kind>
 using Packed = std::conditional_t<Kind == kBFloat16 && kNativeBFloat16, uint16_t, float>;
 
+// One register tile of kTileN weight rows (w, row stride k) over a panel `width` lanes wide (kPanel, L or kQuarter).
+template <int64_t Kind>
+inline void panel_tile(int64_t width, const Packed<Kind>* panel, const Packed<Kind>* w, int64_t k, float* sums,
+                       int64_t stride, const char* ahead, int64_t ahead_bytes) {
+  if constexpr (Kind == kBFloat16 && kNativeBFloat16) {
+    if (width == kPanel) gemm_tile_bf16(panel, w, k, sums, stride, ahead, ahead_bytes);
+    else if (width == L) gemm_tile_bf16_one<true>(panel, w, k, sums, stride, ahead, ahead_bytes);
+    else gemm_tile_bf16_one<false>(panel, w, k, sums, stride, ahead, ahead_bytes);
+  } else {
+    if (width == kPanel) gemm_tile(panel, w, k, sums, stride, ahead, ahead_bytes);
+    else if (width == L) gemm_tile_narrow(panel, w, k, sums, stride, ahead, ahead_bytes);
+    else gemm_tile_quarter(panel, w, k, sums, stride, ahead, ahead_bytes);
+  }
+}
+
 // One work item: weight rows [n0, n1) of a segment widened to float32 (zero rows up to a whole tile; float32
 // weights in whole tiles, and bfloat16 ones for gemm_tile_bf16, are read in place), their sums over every panel,
 // then bias and rounding into the output.
@@ -618,34 +633,10 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
     const Packed<Kind>* panel = panels + p * (kHalf ? bf16_pairs(k) * 2 : k) * kPanel;
     float* const panel_sums = sums.data() + p * kPanel;
     const int64_t ahead_bytes = p == 0 ? share : 0;
-    if (layout.width(p) == kPanel) {
-      for (int64_t j = 0; j < tiled; j += kTileN) {
-        if constexpr (kHalf)
-          gemm_tile_bf16(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share, ahead_bytes);
-        else
-          gemm_tile(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share, ahead_bytes);
-      }
-      continue;
-    }
-    if (layout.width(p) < L) {   // half a vector
-      for (int64_t j = 0; j < tiled; j += kTileN) {
-        if constexpr (kHalf)
-          gemm_tile_bf16_one<false>(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
-                                    ahead_bytes);
-        else
-          gemm_tile_quarter(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
-                            ahead_bytes);
-      }
-      continue;
-    }
-    for (int64_t j = 0; j < tiled; j += kTileN) {   // a panel of one vector
-      if constexpr (kHalf)
-        gemm_tile_bf16_one<true>(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
-                                 ahead_bytes);
-      else
-        gemm_tile_narrow(panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
-                         ahead_bytes);
-    }
+    const int64_t width = layout.width(p);
+    for (int64_t j = 0; j < tiled; j += kTileN)
+      panel_tile<Kind>(width, panel, w + j * k, k, panel_sums + j * m_pad, m_pad, ahead + (j / kTileN) * share,
+                       ahead_bytes);
   }
   float bias[kGemmTask];
   for (int64_t j = 0; j < rows; ++j) bias[j] = seg.bias != nullptr ? widen_one<Kind>(seg.bias[n0 + j]) : 0.0f;
