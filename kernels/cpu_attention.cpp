@@ -528,16 +528,16 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
 
   // Rows are ordered (KV head, token, head within the item's part of the group), so each KV head's rows are
   // contiguous; query head kh * group + g0 + g.
-  const int64_t g0 = item.g_begin, shown = item.g_end - item.g_begin;
-  auto row_of = [&](int64_t kv_head, int64_t t, int64_t g) { return (kv_head * num_tokens + t) * shown + g; };
+  const int64_t g0 = item.g_begin, g_rows = item.g_end - item.g_begin;
+  auto row_of = [&](int64_t kv_head, int64_t t, int64_t g) { return (kv_head * num_tokens + t) * g_rows + g; };
   for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh)
     for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t g = 0; g < shown; ++g) {
+      for (int64_t g = 0; g < g_rows; ++g) {
         const Acc* src = p.query + ((item.row_begin + t) * heads + kh * group + g0 + g) * d_size;
         Acc* dst = w.q.data() + row_of(kh, t, g) * d_size;
         for (int64_t d = 0; d < d_size; ++d) dst[d] = src[d] * p.scale;
       }
-  const int64_t kv_rows = num_tokens * shown;
+  const int64_t kv_rows = num_tokens * g_rows;
   // float32 queries over a cache of any type but float64, with fewer than kRowBlock rows per KV head (decode)
   // and a head size of whole vectors: cache rows read in place (RawRows)
   constexpr bool kInPlace = std::is_same_v<Acc, float> && Type != kF64;
@@ -577,7 +577,7 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
         const int64_t qpos = first_pos + t;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - tile) : 0;
         const int64_t hi = std::min(n, qpos + 1 - tile);
-        for (int64_t g = 0; g < shown; ++g) {
+        for (int64_t g = 0; g < g_rows; ++g) {
           const int64_t r = row_of(kh, t, g);
           Acc* s = w.scores.data() + r * kKeyTile;
           if (hi <= lo) {
@@ -613,7 +613,7 @@ void attend_item(const Params<Acc>& p, const WorkItem& item, Scratch<Acc>& w) {
   }
   for (int64_t kh = item.kv_begin; kh < item.kv_end; ++kh)
     for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t g = 0; g < shown; ++g) {
+      for (int64_t g = 0; g < g_rows; ++g) {
         const int64_t r = row_of(kh, t, g), head = kh * group + g0 + g;
         Acc denom = w.l[r];
         if (p.sinks != nullptr) denom += std::exp(p.sinks[head] - w.m[r]);

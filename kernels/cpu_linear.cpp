@@ -12,9 +12,9 @@
 //
 // From gemm_min_rows rows of x on (16; with AVX-512 5, float32 2), a blocked product replaces the dot products
 // (`gemm`): x packed once per call into panels of 2 vectors of rows (the last one of 1 or, with AVX-512, half a
-// vector where no more rows are left),
-// each work item's weight rows widened once to float32, and a 6-row by 2-vector (or 1-vector) register tile that
-// broadcasts one weight and loads the vectors of x per step (no widening or horizontal sums in the inner loop).
+// vector where no more rows are left), each work item's weight rows widened once to float32, and a register tile of
+// 6 weight rows by the panel's vectors that broadcasts one weight and loads the vectors of x per step (no widening
+// or horizontal sums in the inner loop).
 //
 // Built for AVX512_BF16, bfloat16 from two rows on multiplies pairs of bfloat16 with `vdpbf16ps` instead (below).
 //
@@ -370,8 +370,9 @@ inline FloatVector broadcast(const float* p) {   // a load that fills every lane
   return f;
 }
 
-// How x's m rows fall into panels: `count` panels of kPanel lanes, the last one of `last_lanes` (L where at most
-// L rows are left for it, else kPanel); `lanes` in all (m padded), panel p's data at p * kPanel lanes per element.
+// How x's m rows fall into panels: `count` panels of kPanel lanes, the last one of `last_lanes` (kQuarter where at
+// most kQuarter rows are left for it, else L where at most L are, else kPanel); `lanes` in all (m padded), panel
+// p's data at p * kPanel lanes per element.
 constexpr int64_t kQuarter = L >= 16 ? L / 2 : L;   // the narrowest panel: half a vector with AVX-512
 struct PanelLayout {
   int64_t count, last_lanes, lanes;
