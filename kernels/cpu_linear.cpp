@@ -4,17 +4,17 @@
 // bound by memory bandwidth. PyTorch's products reach a fraction of the bandwidth there on some CPUs: bfloat16
 // and float16 where the CPU has no native half-precision dot products (at more rows they take one dot product
 // per output element), float32 where MKL runs on an AMD EPYC (11.8 GB/s of 33 at batch 1). This kernel streams
-// four weight rows at a time, each read once for up to kMaxRows (4) rows of x, widens
+// four weight rows at a time, each read once for up to kMaxRows rows of x (8 with AVX-512, else 4), widens
 // half-precision weights to float32 in registers (bfloat16: a 16-bit shift; float16: F16C's conversion where the
 // build targets it) and accumulates in float32. Half-precision results are rounded to the weights' dtype once
 // (round to nearest even), as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions
 // differs from theirs.
 //
-// From gemm_min_rows rows of x on (16; with AVX-512 5, float32 2), a blocked product replaces the dot products
-// (`gemm`): x packed once per call into panels of 2 vectors of rows (the last one of 1 or, with AVX-512, half a
-// vector where no more rows are left), each work item's weight rows widened once to float32, and a register tile of
-// 6 weight rows by the panel's vectors that broadcasts one weight and loads the vectors of x per step (no widening
-// or horizontal sums in the inner loop).
+// From gemm_min_rows rows of x on (16; with AVX-512 float32 2, bfloat16 5, float16 8), a blocked product replaces
+// the dot products (`gemm`): x packed once per call into panels of 2 vectors of rows (the last one of 1 or, with
+// AVX-512, half a vector where no more rows are left), each work item's weight rows widened once to float32, and a
+// register tile of 6 weight rows by the panel's vectors that broadcasts one weight and loads the vectors of x per
+// step (no widening or horizontal sums in the inner loop).
 //
 // Built for AVX512_BF16, bfloat16 from two rows on multiplies pairs of bfloat16 with `vdpbf16ps` instead (below).
 //
@@ -37,9 +37,10 @@ namespace {
 using cpu_kernels::FloatVector;
 using cpu_kernels::kVectorBytes;
 constexpr int64_t L = cpu_kernels::Vector<float>::lanes;   // floats per vector
-// Rows of x per pass over a work item's weights (8 accumulators of 2 weight rows by 4; from gemm_min_rows rows on
-// the blocked product takes over). An output's sum does not depend on the pass.
-constexpr int64_t kMaxRows = 4;
+// Rows of x per pass over a work item's weights: 4 (8 accumulators of 2 weight rows by 4) where there are 16
+// vector registers, 8 (16 of 2 by 8) with AVX-512's 32 (float16 and bfloat16 widened below 8 rows; from
+// gemm_min_rows rows on the blocked product takes over). An output's sum does not depend on the pass.
+constexpr int64_t kMaxRows = L >= 16 ? 8 : 4;
 constexpr int64_t kRowsPerTask = 16;                        // weight rows per OpenMP work item
 
 typedef uint16_t HalfBits __attribute__((vector_size(kVectorBytes / 2)));
@@ -211,7 +212,11 @@ void dot_block(int64_t rows, const Element<Kind>* weight, int64_t k, const float
     case 1: dot_rows<Kind, 1>(weight, k, x, n0, n1, sums, n); break;
     case 2: dot_rows<Kind, 2>(weight, k, x, n0, n1, sums, n); break;
     case 3: dot_rows<Kind, 3>(weight, k, x, n0, n1, sums, n); break;
-    default: dot_rows<Kind, kMaxRows>(weight, k, x, n0, n1, sums, n); break;
+    case 4: dot_rows<Kind, 4>(weight, k, x, n0, n1, sums, n); break;
+    case 5: dot_rows<Kind, 5>(weight, k, x, n0, n1, sums, n); break;
+    case 6: dot_rows<Kind, 6>(weight, k, x, n0, n1, sums, n); break;
+    case 7: dot_rows<Kind, 7>(weight, k, x, n0, n1, sums, n); break;
+    default: dot_rows<Kind, 8>(weight, k, x, n0, n1, sums, n); break;
   }
 }
 
@@ -308,7 +313,11 @@ inline void dot_block_bf16(int64_t rows, const uint16_t* weight, int64_t k, cons
     case 1: dot_rows_bf16<1>(weight, k, x, n0, n1, sums, n); break;
     case 2: dot_rows_bf16<2>(weight, k, x, n0, n1, sums, n); break;
     case 3: dot_rows_bf16<3>(weight, k, x, n0, n1, sums, n); break;
-    default: dot_rows_bf16<kMaxRows>(weight, k, x, n0, n1, sums, n); break;
+    case 4: dot_rows_bf16<4>(weight, k, x, n0, n1, sums, n); break;
+    case 5: dot_rows_bf16<5>(weight, k, x, n0, n1, sums, n); break;
+    case 6: dot_rows_bf16<6>(weight, k, x, n0, n1, sums, n); break;
+    case 7: dot_rows_bf16<7>(weight, k, x, n0, n1, sums, n); break;
+    default: dot_rows_bf16<8>(weight, k, x, n0, n1, sums, n); break;
   }
 #else
   (void)rows, (void)weight, (void)k, (void)x, (void)n0, (void)n1, (void)sums, (void)n;
@@ -341,19 +350,22 @@ struct Segment {
 constexpr int64_t kPanel = 2 * L;        // rows of x per panel: two vectors
 constexpr int64_t kTileN = 6;            // weight rows per register tile (12 accumulators, 15 of 16 AVX2 registers)
 constexpr int64_t kGemmTask = 4 * kTileN;   // weight rows per OpenMP work item
-// Rows of x from which the blocked product runs. With AVX-512 a panel of one vector holds 16 rows, and from 5 rows
-// on it beats passes of dot products (smollm2's layers on a 2-core AVX-512 EPYC, ms: float32 29.8 dot products at
-// 4 rows, 34.9 at 5, 33.2 at 6, 32.5 at 8, 44 at 15 against 29-31 blocked at 16; bfloat16 16.9, 18.5, 20.1 at 4, 5,
-// 6, 17.6 at 8 against 16.4-17.8). With narrower vectors (panels of 8 and 16 rows) it stays 16, as measured then.
-constexpr int64_t kGemmMinRows = L >= 16 ? 5 : 16;
-// Float32 with AVX-512 from 2 rows: up to 8 rows a panel of half a vector (`gemm_tile_quarter`) beats passes of dot
-// products (all of smollm2's layers, one process alternating two builds, weights from memory: 20.6 against 22.6 ms
-// at 2 rows, 21.7 against 27.4 at 4, 22.7 against 33.3 at 8 with a one-vector panel). Half precision keeps 5: its
-// dot products stay faster below (bfloat16 at 2 rows 14.4 against 17.3; float16, whose weights the blocked product
-// widens into a copy, 15.2 against 22.5), and from 5 to 8 rows bfloat16 takes the half-vector panel too (16.6
-// against 18.2 ms at 8).
+// Rows of x from which the blocked product runs: 16, and with AVX-512 (a panel of one vector holds 16 rows, half a
+// vector 8) fewer where it beats passes of dot products. Float32 from 2 rows (smollm2's layers on a 2-core AVX-512
+// EPYC, one process alternating two builds, weights from memory: 20.6 against 22.6 ms at 2 rows, 21.7 against 27.4
+// at 4, 22.7 against 33.3 at 8). Bfloat16 through AVX512_BF16 from 5 (its `vdpbf16ps` dot products stay faster
+// below: 14.4 against 17.3 ms at 2; 18.5, 20.1 and 17.6 at 5, 6 and 8 against 16.4-17.8 blocked). Weights the
+// kernel widens (float16; bfloat16 without AVX512_BF16) from 8: the blocked product widens them into a copy, and
+// passes of up to eight rows stay faster below (float16, dot products / blocked, both orders of the two builds:
+// 15.2 / 22.5 ms at 2 rows, 22.6 / 30.4 and 21.0 / 31.7 at 5; 28.8 / 24.7 and 25.2 / 25.6 at 8, 31.6 / 30.8 and
+// 37.8 / 30.2 at 12; this probe favours the build it loads first by up to a quarter at these sizes).
+constexpr int64_t kGemmMinRows = 16;
 template <int64_t Kind>
-constexpr int64_t gemm_min_rows() { return Kind == kFloat32 && L >= 16 ? 2 : kGemmMinRows; }
+constexpr int64_t gemm_min_rows() {
+  if (L < 16) return kGemmMinRows;
+  if (Kind == kFloat32) return 2;
+  return Kind == kBFloat16 && kNativeBFloat16 ? 5 : 8;
+}
 
 inline FloatVector broadcast(const float* p) {   // a load that fills every lane (vbroadcastss from memory)
 #if defined(__AVX512F__)
@@ -647,8 +659,8 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
   }
 }
 
-// out_s = x W_s^T (+ bias_s) for every segment at m >= gemm_min_rows<Kind>(): x packed by both threads, then the segments'
-// kGemmTask-row work items shared among them, in one parallel region.
+// out_s = x W_s^T (+ bias_s) for every segment at m >= gemm_min_rows<Kind>(): x packed by both threads, then the
+// segments' kGemmTask-row work items shared among them, in one parallel region.
 template <int64_t Kind>
 void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segments, int64_t count, int64_t m,
           int64_t k, int64_t num_threads) {
