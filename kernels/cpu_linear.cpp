@@ -10,7 +10,7 @@
 // (round to nearest even), as PyTorch's float32-accumulating half-precision GEMMs do; the order of the additions
 // differs from theirs.
 //
-// From gemm_min_rows rows of x on (16; with AVX-512 float32 2, bfloat16 5, float16 8), a blocked product replaces
+// From gemm_min_rows rows of x on (16; with AVX-512 float32 2, bfloat16 3, float16 8), a blocked product replaces
 // the dot products (`gemm`): x packed once per call into panels of 2 vectors of rows (the last one of 1 or, with
 // AVX-512, half a vector where no more rows are left), each work item's weight rows widened once to float32, and a
 // register tile of 6 weight rows by the panel's vectors that broadcasts one weight and loads the vectors of x per
@@ -353,18 +353,19 @@ constexpr int64_t kGemmTask = 4 * kTileN;   // weight rows per OpenMP work item
 // Rows of x from which the blocked product runs: 16, and with AVX-512 (a panel of one vector holds 16 rows, half a
 // vector 8) fewer where it beats passes of dot products. Float32 from 2 rows (smollm2's layers on a 2-core AVX-512
 // EPYC, one process alternating two builds, weights from memory: 20.6 against 22.6 ms at 2 rows, 21.7 against 27.4
-// at 4, 22.7 against 33.3 at 8). Bfloat16 through AVX512_BF16 from 5 (its `vdpbf16ps` dot products stay faster
-// below: 14.4 against 17.3 ms at 2; 18.5, 20.1 and 17.6 at 5, 6 and 8 against 16.4-17.8 blocked). Weights the
-// kernel widens (float16; bfloat16 without AVX512_BF16) from 8: the blocked product widens them into a copy, and
-// passes of up to eight rows stay faster below (float16, dot products / blocked, both orders of the two builds:
-// 15.2 / 22.5 ms at 2 rows, 22.6 / 30.4 and 21.0 / 31.7 at 5; 28.8 / 24.7 and 25.2 / 25.6 at 8, 31.6 / 30.8 and
-// 37.8 / 30.2 at 12; this probe favours the build it loads first by up to a quarter at these sizes).
+// at 4, 22.7 against 33.3 at 8). Bfloat16 through AVX512_BF16 from 3 (its `vdpbf16ps` dot products against the
+// blocked product, both orders of the two builds: 17.1 / 17.6 and 16.1 / 16.1 ms at 2 rows, 17.8 / 17.0 and 18.0 /
+// 17.7 at 3, 20.4 / 18.6 and 18.7 / 16.7 at 4; 18.5, 20.1 and 17.6 at 5, 6 and 8 against 16.4-17.8 blocked). Weights
+// the kernel widens (float16; bfloat16 without AVX512_BF16) from 8: the blocked product widens them into a copy, and
+// passes of up to eight rows stay faster below (float16, dot products / blocked, both orders of the two builds but
+// at 2: 15.2 / 22.5 ms at 2 rows, 22.6 / 30.4 and 21.0 / 31.7 at 5; 28.8 / 24.7 and 25.2 / 25.6 at 8, 31.6 / 30.8
+// and 37.8 / 30.2 at 12; this probe favours the build it loads first by up to a quarter at these sizes).
 constexpr int64_t kGemmMinRows = 16;
 template <int64_t Kind>
 constexpr int64_t gemm_min_rows() {
   if (L < 16) return kGemmMinRows;
   if (Kind == kFloat32) return 2;
-  return Kind == kBFloat16 && kNativeBFloat16 ? 5 : 8;
+  return Kind == kBFloat16 && kNativeBFloat16 ? 3 : 8;
 }
 
 inline FloatVector broadcast(const float* p) {   // a load that fills every lane (vbroadcastss from memory)

@@ -95,7 +95,7 @@ def native_bfloat16() -> bool:
 
 def blocked_from_rows(dtype: torch.dtype) -> int:
     """From how many rows of x the kernel runs its blocked product over `dtype` weights rather than dot products
-    (16; where it was built for 512-bit vectors 2 for float32, 5 for bfloat16 through AVX512_BF16, else 8): from
+    (16; where it was built for 512-bit vectors 2 for float32, 3 for bfloat16 through AVX512_BF16, else 8): from
     there on an output row does not depend on the call's other rows."""
     kinds = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
     if dtype not in kinds:
