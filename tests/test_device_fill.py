@@ -111,12 +111,16 @@ def test_a_row_without_a_finite_maximum_fails_its_request_alone(monkeypatch, cou
     options = dict(num_blocks=96, block_size=4, max_num_seqs=8, dtype=dtype)
     without = _run(_engine(monkeypatch, True, True, **options), [w for w in work if w[0] != "2"])
     sample_later = TokenProcessor.sample_later
+    draws = {"2": 0}   # request "2"'s draws so far, counted here: its token count on the worker thread races the
+    # processing of the previous step on the engine's (a flake under load: the 4th token's row was never poisoned)
 
     def poisoned(self, rows, logits):
         for i, item in enumerate(rows.samplers):
-            if item.group.request_id == "2" and len(item.seq.token_ids) - item.seq.prompt_len == 3:
-                logits = logits.clone()
-                logits[i] = float("nan")
+            if item.group.request_id == "2":
+                draws["2"] += 1
+                if draws["2"] == 4:
+                    logits = logits.clone()
+                    logits[i] = float("nan")
         return sample_later(self, rows, logits)
     monkeypatch.setattr(TokenProcessor, "sample_later", poisoned)
     engine = _engine(monkeypatch, True, True, **options)
