@@ -97,12 +97,11 @@ def blocked_from_rows(dtype: torch.dtype) -> int:
     """From how many rows of x the kernel runs its blocked product over `dtype` weights rather than dot products
     (16; where it was built for 512-bit vectors 2 for float32, 3 for bfloat16 through AVX512_BF16, else 8): from
     there on an output row does not depend on the call's other rows."""
-    kinds = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-    if dtype not in kinds:
+    if dtype not in DTYPES:
         raise ValueError(f"blocked_from_rows is for bfloat16, float16 and float32, not {dtype}")
     if not op_available():
         raise RuntimeError("the linear kernel is not available on this machine")
-    return int(torch.ops.paged_backend.linear_rows_blocked_from(kinds[dtype]))
+    return int(torch.ops.paged_backend.linear_rows_blocked_from(DTYPES.index(dtype)))   # the kernel's kinds 0, 1, 2
 
 
 def enabled() -> bool:
