@@ -22,6 +22,10 @@
 
 #include "cpu_vector.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -91,6 +95,15 @@ const Fp8Tables& fp8_tables() {
 template <int64_t Type>
 inline FloatVector decode_vector(const void* entries) {
   constexpr int64_t L = Vector<float>::lanes;
+#if defined(__AVX512F__)
+  if constexpr (Type == kBF16 && L == 16) {   // one widening load and a shift (GCC's generic conversion took two
+    const __m512i wide = _mm512_slli_epi32(   // halves and an insert when tuned for 256-bit vectors)
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(entries))), 16);
+    FloatVector result;
+    std::memcpy(&result, &wide, sizeof result);
+    return result;
+  }
+#endif
   IntVector x;
   if constexpr (Type == kF16 || Type == kBF16) {
     typedef uint16_t Halves __attribute__((vector_size(2 * L)));
@@ -191,6 +204,81 @@ struct WorkItem {
 
 constexpr int64_t kRowBlock = 4;  // query rows sharing each loaded K/V vector in the prefill micro-kernels
 
+// The sum of a float vector's lanes as a tree of halves (16 -> 8 -> 4 -> 2 -> 1 with AVX-512): a few shuffles and
+// additions instead of a serial chain through every lane, which was half the time of a 16-sequence decode step's
+// scores. Every float score (dot, few_row_scores) and softmax sum adds in this order, so the in-place and copying
+// paths agree bit for bit. float64 (the exact-comparison dtype) keeps the lanes in order.
+template <typename Acc>
+inline Acc lane_sum(typename Vector<Acc>::type v) {
+  return horizontal_sum<Acc>(v);
+}
+
+template <>
+inline float lane_sum<float>(FloatVector v) {
+  typedef float Quad __attribute__((vector_size(16)));
+  typedef float Octet __attribute__((vector_size(32)));
+  Octet eight;
+  if constexpr (Vector<float>::lanes == 16) {
+    Octet low, high;
+    std::memcpy(&low, &v, sizeof low);
+    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
+    eight = low + high;
+  } else {
+    std::memcpy(&eight, &v, sizeof eight);
+  }
+  Quad low, high;
+  std::memcpy(&low, &eight, sizeof low);
+  std::memcpy(&high, reinterpret_cast<const char*>(&eight) + sizeof low, sizeof high);
+  const Quad four = low + high;
+  return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
+// lane_sum of L vectors of L floats at once (L = 16 with AVX-512, 8 with AVX2), out[i] = lane_sum(v[i]) bit for
+// bit: the same tree of halves taken across the vectors by shuffles (L - 1 pairs of shuffles and additions instead
+// of L trees). Where the compiler has __builtin_shufflevector (GCC 12+, Clang); elsewhere one tree per vector.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define PAGED_BACKEND_LANE_SUMS 1
+#endif
+#endif
+#ifdef PAGED_BACKEND_LANE_SUMS
+constexpr bool kLaneSums = true;
+inline void lane_sums(const FloatVector* v, float* out) {
+  typedef FloatVector V;
+  V u[4], w[2];
+#if defined(__AVX512F__)   // the vector width is chosen by the preprocessor (cpu_vector.h): 16 floats here
+  {
+    V t[8];
+    for (int i = 0; i < 8; ++i)   // lanes 0-7: v[2i]'s halves added; 8-15: v[2i+1]'s
+      t[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; ++j)   // four lanes per vector 4j..4j+3: their quarters added
+      u[j] = __builtin_shufflevector(t[2 * j], t[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+             __builtin_shufflevector(t[2 * j], t[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int m = 0; m < 2; ++m)   // lanes 2i, 2i+1: (q0 + q2), (q1 + q3) of vector 8m + i
+      w[m] = __builtin_shufflevector(u[2 * m], u[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+             __builtin_shufflevector(u[2 * m], u[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    store(out, __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                   __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+  }
+#else   // 8 floats
+  {
+    for (int j = 0; j < 4; ++j)   // lanes 0-3: v[2j]'s halves added; 4-7: v[2j+1]'s
+      u[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+             __builtin_shufflevector(v[2 * j], v[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int m = 0; m < 2; ++m)   // lanes 2i, 2i+1: (q0 + q2), (q1 + q3) of vector 4m + i
+      w[m] = __builtin_shufflevector(u[2 * m], u[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+             __builtin_shufflevector(u[2 * m], u[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    store(out, __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                   __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15));
+  }
+#endif
+}
+#else
+constexpr bool kLaneSums = false;
+inline void lane_sums(const FloatVector*, float*) {}
+#endif
+
 // Dot product over two vector accumulators, then a scalar tail.
 template <typename Acc>
 inline Acc dot(const Acc* a, const Acc* b, int64_t n) {
@@ -202,7 +290,7 @@ inline Acc dot(const Acc* a, const Acc* b, int64_t n) {
     s1 += load(a + d + L) * load(b + d + L);
   }
   for (; d + L <= n; d += L) s0 += load(a + d) * load(b + d);
-  Acc sum = horizontal_sum<Acc>(s0 + s1);
+  Acc sum = lane_sum<Acc>(s0 + s1);
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
 }
@@ -328,56 +416,9 @@ struct RawRows {
   }
 };
 
-// Lane sums of 8 vectors of 8 lanes at once: out[i] = ((0 + v[i][0]) + v[i][1]) + ... + v[i][7], the order of
-// horizontal_sum, from a transpose (24 shuffles) and 8 vector additions instead of 8 serial chains of 8. Used
-// where vectors have 8 floats (AVX2) and the compiler has __builtin_shufflevector (GCC 12+, Clang).
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define PAGED_BACKEND_LANE_SUMS8 1
-#endif
-#endif
-#ifdef PAGED_BACKEND_LANE_SUMS8
-constexpr bool kLaneSums8 = Vector<float>::lanes == 8;
-template <typename F>
-inline void lane_sums8(const typename Vector<F>::type* v, F* out) {
-  static_assert(Vector<F>::lanes == 8, "lane_sums8 takes vectors of 8 floats");
-  typedef typename Vector<F>::type V;
-  const V t0 = __builtin_shufflevector(v[0], v[1], 0, 8, 1, 9, 4, 12, 5, 13);
-  const V t1 = __builtin_shufflevector(v[0], v[1], 2, 10, 3, 11, 6, 14, 7, 15);
-  const V t2 = __builtin_shufflevector(v[2], v[3], 0, 8, 1, 9, 4, 12, 5, 13);
-  const V t3 = __builtin_shufflevector(v[2], v[3], 2, 10, 3, 11, 6, 14, 7, 15);
-  const V t4 = __builtin_shufflevector(v[4], v[5], 0, 8, 1, 9, 4, 12, 5, 13);
-  const V t5 = __builtin_shufflevector(v[4], v[5], 2, 10, 3, 11, 6, 14, 7, 15);
-  const V t6 = __builtin_shufflevector(v[6], v[7], 0, 8, 1, 9, 4, 12, 5, 13);
-  const V t7 = __builtin_shufflevector(v[6], v[7], 2, 10, 3, 11, 6, 14, 7, 15);
-  const V u0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13);   // lanes 0 and 4 of v[0..3]
-  const V u1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);  // lanes 1 and 5
-  const V u2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13);    // lanes 2 and 6
-  const V u3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);  // lanes 3 and 7
-  const V u4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13);
-  const V u5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
-  const V u6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13);
-  const V u7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
-  V sum = {};
-  sum += __builtin_shufflevector(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11);    // lane 0 of every vector
-  sum += __builtin_shufflevector(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11);    // lane 1
-  sum += __builtin_shufflevector(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11);
-  sum += __builtin_shufflevector(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11);
-  sum += __builtin_shufflevector(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15);  // lane 4
-  sum += __builtin_shufflevector(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15);
-  sum += __builtin_shufflevector(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15);
-  sum += __builtin_shufflevector(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15);
-  store(out, sum);
-}
-#else
-constexpr bool kLaneSums8 = false;
-template <typename F>
-inline void lane_sums8(const typename Vector<F>::type*, F*) {}
-#endif
-
 // Scores of R query rows (row stride d_size, a whole number of vectors) against n keys, s[r * kKeyTile + k]:
 // each key row is widened once for all R rows; per pair the additions are dot()'s (two accumulators over
-// alternate vectors, then their sum's lanes in order). The accumulators are named (GCC kept arrays in memory).
+// alternate vectors, then lane_sum of their sum). The accumulators are named (GCC kept arrays in memory).
 template <int64_t Type, int64_t R>
 inline void few_row_scores(const float* q, int64_t d_size, const RawRows<Type>& keys, int64_t n, float* s) {
   constexpr int64_t L = Vector<float>::lanes;
@@ -415,9 +456,9 @@ inline void few_row_scores(const float* q, int64_t d_size, const RawRows<Type>& 
   for (int64_t r = 0; r < R; ++r) {
     float* row = s + r * kKeyTile;
     int64_t k = 0;
-    if constexpr (kLaneSums8)
-      for (; k + 8 <= n; k += 8) lane_sums8<float>(sums[r] + k, row + k);
-    for (; k < n; ++k) row[k] = horizontal_sum<float>(sums[r][k]);
+    if constexpr (kLaneSums)
+      for (constexpr int64_t L = Vector<float>::lanes; k + L <= n; k += L) lane_sums(sums[r] + k, row + k);
+    for (; k < n; ++k) row[k] = lane_sum<float>(sums[r][k]);
   }
 }
 
@@ -452,6 +493,53 @@ struct Scratch {
   }
 };
 
+// The largest of n >= 1 scores (any order gives the same maximum; float through vectors).
+template <typename Acc>
+inline Acc tile_maximum(const Acc* s, int64_t n) {
+  Acc best = s[0];
+  for (int64_t k = 1; k < n; ++k) best = std::max(best, s[k]);
+  return best;
+}
+
+template <>
+inline float tile_maximum<float>(const float* s, int64_t n) {
+  constexpr int64_t L = Vector<float>::lanes;
+  if (n < L) {
+    float best = s[0];
+    for (int64_t k = 1; k < n; ++k) best = std::max(best, s[k]);
+    return best;
+  }
+  FloatVector best = load(s);
+  int64_t k = L;
+  for (; k + L <= n; k += L) {
+    const FloatVector v = load(s + k);
+    best = v > best ? v : best;
+  }
+  float out = best[0];
+  for (int64_t j = 1; j < L; ++j) out = std::max(out, best[j]);
+  for (; k < n; ++k) out = std::max(out, s[k]);
+  return out;
+}
+
+// The sum of n weights: float in vector lanes (then lane_sum and a scalar tail), double in order.
+template <typename Acc>
+inline Acc tile_sum(const Acc* s, int64_t n) {
+  Acc sum = 0;
+  for (int64_t k = 0; k < n; ++k) sum += s[k];
+  return sum;
+}
+
+template <>
+inline float tile_sum<float>(const float* s, int64_t n) {
+  constexpr int64_t L = Vector<float>::lanes;
+  FloatVector lanes = {};
+  int64_t k = 0;
+  for (; k + L <= n; k += L) lanes += load(s + k);
+  float sum = lane_sum<float>(lanes);
+  for (; k < n; ++k) sum += s[k];
+  return sum;
+}
+
 // Online-softmax update of one row with the scores s[lo:hi) of a tile (the row's visible keys in it):
 // s becomes the weights (zero outside [lo, hi)), acc is rescaled, m and l are updated.
 template <typename Acc>
@@ -459,13 +547,10 @@ void softmax_update(Acc* s, int64_t lo, int64_t hi, int64_t n, Acc softcap, Acc&
                     int64_t d_size) {
   if (softcap > 0)
     for (int64_t k = lo; k < hi; ++k) s[k] = std::tanh(s[k] / softcap) * softcap;
-  Acc tile_max = s[lo];
-  for (int64_t k = lo + 1; k < hi; ++k) tile_max = std::max(tile_max, s[k]);
-  const Acc new_max = std::max(m, tile_max);
+  const Acc new_max = std::max(m, tile_maximum(s + lo, hi - lo));
   for (int64_t k = lo; k < hi; ++k) s[k] -= new_max;
   exp_nonpositive(s + lo, hi - lo);
-  Acc sum = 0;
-  for (int64_t k = lo; k < hi; ++k) sum += s[k];
+  const Acc sum = tile_sum(s + lo, hi - lo);
   for (int64_t k = 0; k < lo; ++k) s[k] = 0;
   for (int64_t k = hi; k < n; ++k) s[k] = 0;
   const Acc alpha = m == -std::numeric_limits<Acc>::infinity() ? Acc(0) : std::exp(m - new_max);
