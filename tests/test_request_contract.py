@@ -218,3 +218,28 @@ def test_a_windowed_model_has_room_beyond_its_kv_cache():
     (out,) = [o for o in run_to_completion(eng).values()]
     assert out.error is None and len(out.outputs[0].token_ids) == 100
     assert_no_leaks(eng)
+
+
+def test_a_histogram_snapshot_keeps_its_values_while_the_histogram_observes_and_compacts():
+    """The engine snapshots its histograms every step without copying their value logs: an older snapshot must
+    still replay exactly the values observed before it, after later observations and after the log starts a new
+    list (every 2 * RECENT_VALUES observations), and keep at most RECENT_VALUES of them."""
+    from paged_backend.engine.metrics import RECENT_VALUES, Histogram
+
+    h = Histogram((1.0, 10.0))
+    for i in range(5):
+        h.observe(float(i))
+    early = h.snapshot()
+    assert early.recent == (0.0, 1.0, 2.0, 3.0, 4.0) and early.new_values(3) == (3.0, 4.0)
+    for i in range(5, 3 * RECENT_VALUES):
+        h.observe(float(i))
+        if i == 2 * RECENT_VALUES - 2:
+            before_compaction = h.snapshot()
+    assert early.recent == (0.0, 1.0, 2.0, 3.0, 4.0) and early.count == 5 and early.new_values(0) == early.recent
+    assert before_compaction.count == 2 * RECENT_VALUES - 1
+    assert before_compaction.recent == tuple(float(i) for i in range(RECENT_VALUES - 1, 2 * RECENT_VALUES - 1))
+    late = h.snapshot()
+    assert late.count == 3 * RECENT_VALUES and late.counts == (2, 9, 3 * RECENT_VALUES - 11)
+    assert late.recent == tuple(float(i) for i in range(2 * RECENT_VALUES, 3 * RECENT_VALUES))
+    assert late.new_values(late.count - 2) == (3 * RECENT_VALUES - 2.0, 3 * RECENT_VALUES - 1.0)
+    assert late.new_values(0) == late.recent and late.new_values(late.count) == ()

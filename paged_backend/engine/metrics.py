@@ -7,9 +7,8 @@ time between tokens), so every front exports the same values: see `metrics_table
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Deque, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     from paged_backend.engine.outputs import RequestOutput
@@ -50,7 +49,16 @@ class HistogramSnapshot:
     counts: Tuple[int, ...]
     sum: float
     count: int
-    recent: Tuple[float, ...] = ()
+    # the histogram's log of values when the snapshot was taken, read up to `end` (entries before `end` never
+    # change: the histogram appends, and starts a new list when it compacts), so a snapshot per engine step costs
+    # no copy of the values
+    values: Sequence[float] = field(default=(), repr=False, compare=False)
+    end: int = field(default=0, repr=False, compare=False)
+
+    @property
+    def recent(self) -> Tuple[float, ...]:
+        """The most recent observed values (oldest first, at most RECENT_VALUES)."""
+        return tuple(self.values[max(0, self.end - RECENT_VALUES):self.end])
 
     def cumulative(self) -> Tuple[Tuple[str, int], ...]:
         """(upper bound, observations <= it) pairs, Prometheus style, ending with "+Inf"."""
@@ -62,10 +70,10 @@ class HistogramSnapshot:
 
     def new_values(self, seen: int) -> Tuple[float, ...]:
         """The values observed after the first `seen` ones (as many as are still kept)."""
-        missing = self.count - seen
+        missing = min(self.count - seen, RECENT_VALUES)
         if missing <= 0:
             return ()
-        return self.recent[-missing:]
+        return tuple(self.values[max(0, self.end - missing):self.end])
 
 
 class Histogram:
@@ -76,20 +84,22 @@ class Histogram:
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
         self.count = 0
-        self.recent: Deque[float] = deque(maxlen=RECENT_VALUES)
+        self._values: List[float] = []
         self._snapshot = None
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
         self.count += 1
-        self.recent.append(value)
+        self._values.append(value)
+        if len(self._values) >= 2 * RECENT_VALUES:   # a new list: snapshots keep reading the old one
+            self._values = self._values[-RECENT_VALUES:]
         self._snapshot = None
 
     def snapshot(self) -> HistogramSnapshot:
         if self._snapshot is None:
             self._snapshot = HistogramSnapshot(self.buckets, tuple(self.counts), self.sum, self.count,
-                                               tuple(self.recent))
+                                               self._values, len(self._values))
         return self._snapshot
 
 
