@@ -218,14 +218,14 @@ inline float lane_sum<float>(FloatVector v) {
   typedef float Quad __attribute__((vector_size(16)));
   typedef float Octet __attribute__((vector_size(32)));
   Octet eight;
-  if constexpr (Vector<float>::lanes == 16) {
-    Octet low, high;
-    std::memcpy(&low, &v, sizeof low);
-    std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof low, sizeof high);
-    eight = low + high;
-  } else {
-    std::memcpy(&eight, &v, sizeof eight);
-  }
+#if defined(__AVX512F__)   // 16 floats (cpu_vector.h): halves first
+  Octet low8, high8;
+  std::memcpy(&low8, &v, sizeof low8);
+  std::memcpy(&high8, reinterpret_cast<const char*>(&v) + sizeof low8, sizeof high8);
+  eight = low8 + high8;
+#else   // 8 floats
+  std::memcpy(&eight, &v, sizeof eight);
+#endif
   Quad low, high;
   std::memcpy(&low, &eight, sizeof low);
   std::memcpy(&high, reinterpret_cast<const char*>(&eight) + sizeof low, sizeof high);
