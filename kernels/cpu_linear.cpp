@@ -344,8 +344,9 @@ struct Segment {
 // Where at most one vector of rows is left after the whole panels (16 rows at a decode step of 16 sequences, the
 // last 16 of 48), the last panel is one vector wide (`gemm_tile_narrow`), and with AVX-512 half a vector where at
 // most 8 are left (`gemm_tile_quarter`): a panel of two vectors half of zeros cost as much as a full one (smollm2's
-// float32 layers on a 2-core AVX-512 EPYC: 45.0 ms at 16 rows, 46.0 at 32). Each output lane is the same FMA chain
-// over k in any of them, so the bits do not change.
+// float32 layers on a 2-core AVX-512 EPYC: 45.0 ms at 16 rows, 46.0 at 32); float32 rows of 17 to 24 left take one
+// panel of each (PanelLayout). Each output lane is the same FMA chain over k in any of them, so the bits do not
+// change.
 
 constexpr int64_t kPanel = 2 * L;        // rows of x per panel: two vectors
 constexpr int64_t kTileN = 6;            // weight rows per register tile (12 accumulators, 15 of 16 AVX2 registers)
@@ -383,30 +384,38 @@ inline FloatVector broadcast(const float* p) {   // a load that fills every lane
   return f;
 }
 
-// How x's m rows fall into panels: `count` panels of kPanel lanes, the last one of `last_lanes` (kQuarter where at
-// most kQuarter rows are left for it, else L where at most L are, else kPanel); `lanes` in all (m padded), panel
-// p's data at p * kPanel lanes per element.
+// How x's m rows fall into panels: `whole` panels of kPanel lanes, then what is left in one or two narrower ones
+// (kQuarter where at most kQuarter rows are left, else L where at most L are; with AVX-512 and `split_tail`, L and
+// then kQuarter where at most L + kQuarter are; else kPanel). Panel p's data at p * kPanel lanes per element, its
+// first row `first(p)`; `lanes` in all (m padded). The split is for float32 FMA tiles: smollm2's float32 layers on
+// a 2-core AVX-512 EPYC, one process alternating two builds, 20 rows 39.4 -> 33.7 ms and 24 rows 38.9 -> 32.5 (a
+// panel of 32 lanes 39.6, of 16 21.6); bfloat16 through vdpbf16ps gains nothing from it (20 rows 21.2 against 21.5
+// ms), its half-vector tile costing a whole vector's time, and keeps the padded panel.
 constexpr int64_t kQuarter = L >= 16 ? L / 2 : L;   // the narrowest panel: half a vector with AVX-512
 struct PanelLayout {
-  int64_t count, last_lanes, lanes;
+  int64_t whole, tails = 0, tail[2] = {0, 0}, count, lanes;
 
-  explicit PanelLayout(int64_t m) {
-    const int64_t whole = m / kPanel, rest = m % kPanel;
-    count = whole + (rest > 0 ? 1 : 0);
-    last_lanes = rest > 0 && rest <= kQuarter ? kQuarter : rest > 0 && rest <= L ? L : kPanel;
-    lanes = whole * kPanel + (rest > 0 ? last_lanes : 0);
+  PanelLayout(int64_t m, bool split_tail) : whole(m / kPanel) {
+    const int64_t rest = m % kPanel;
+    if (rest > 0 && rest <= kQuarter) tail[tails++] = kQuarter;
+    else if (rest > 0 && rest <= L) tail[tails++] = L;
+    else if (rest > 0 && split_tail && kQuarter < L && rest <= L + kQuarter) tail[tails++] = L, tail[tails++] = kQuarter;
+    else if (rest > 0) tail[tails++] = kPanel;
+    count = whole + tails;
+    lanes = whole * kPanel + tail[0] + tail[1];
   }
-  int64_t width(int64_t p) const { return p == count - 1 ? last_lanes : kPanel; }
+  int64_t width(int64_t p) const { return p < whole ? kPanel : tail[p - whole]; }
+  int64_t first(int64_t p) const { return p <= whole ? p * kPanel : whole * kPanel + tail[0]; }
 };
 
-// x's rows [p * kPanel, p * kPanel + lanes) widened to float32 and stored k-major (element i of lane r at
+// x's rows [first, first + lanes) widened to float32 and stored k-major as panel p (element i of lane r at
 // i * lanes + r), rows past m as zeros.
 template <int64_t Kind>
-void pack_panel(const Element<Kind>* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, int64_t lanes,
-                float* panels) {
+void pack_panel(const Element<Kind>* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, int64_t first,
+                int64_t lanes, float* panels) {
   float* dst = panels + p * k * kPanel;
-  const int64_t rows = m - p * kPanel < lanes ? m - p * kPanel : lanes;
-  const Element<Kind>* src = x + p * kPanel * x_stride;
+  const int64_t rows = m - first < lanes ? m - first : lanes;
+  const Element<Kind>* src = x + first * x_stride;
   for (int64_t i = 0; i < k; ++i) {   // element by element: the panel is written in order, x read along its rows
     for (int64_t lane = 0; lane < rows; ++lane) dst[i * lanes + lane] = widen_one<Kind>(src[lane * x_stride + i]);
     for (int64_t lane = rows; lane < lanes; ++lane) dst[i * lanes + lane] = 0.0f;
@@ -480,11 +489,11 @@ inline void gemm_tile_quarter(const float* panel, const float* w, int64_t k, flo
 
 inline int64_t bf16_pairs(int64_t k) { return (k + 1) / 2; }
 
-inline void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, int64_t lanes,
-                            uint16_t* panels) {
+inline void pack_panel_bf16(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k, int64_t p, int64_t first,
+                            int64_t lanes, uint16_t* panels) {
   uint16_t* dst = panels + p * bf16_pairs(k) * 2 * kPanel;
-  const int64_t rows = m - p * kPanel < lanes ? m - p * kPanel : lanes;
-  const uint16_t* src = x + p * kPanel * x_stride;
+  const int64_t rows = m - first < lanes ? m - first : lanes;
+  const uint16_t* src = x + first * x_stride;
   for (int64_t q = 0; q < bf16_pairs(k); ++q) {
     uint16_t* pair = dst + q * 2 * lanes;
     for (int64_t lane = 0; lane < lanes; ++lane) {
@@ -615,7 +624,7 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
   thread_local std::vector<float> wide, sums;
   constexpr bool kHalf = Kind == kBFloat16 && kNativeBFloat16;   // bfloat16 through gemm_tile_bf16
   const int64_t rows = n1 - n0, tiled = (rows + kTileN - 1) / kTileN * kTileN;
-  const PanelLayout layout(m);
+  const PanelLayout layout(m, !kHalf);
   const int64_t m_pad = layout.lanes;
   const Element<Kind>* src = seg.weight + n0 * k;
   const std::conditional_t<kHalf, Element<Kind>, float>* w;
@@ -645,7 +654,7 @@ void gemm_rows(const Segment<Kind>& seg, int64_t k, const Packed<Kind>* panels, 
   sums.resize(static_cast<size_t>(tiled * m_pad));
   for (int64_t p = 0; p < layout.count; ++p) {
     const Packed<Kind>* panel = panels + p * (kHalf ? bf16_pairs(k) * 2 : k) * kPanel;
-    float* const panel_sums = sums.data() + p * kPanel;
+    float* const panel_sums = sums.data() + layout.first(p);
     const int64_t ahead_bytes = p == 0 ? share : 0;
     const int64_t width = layout.width(p);
     for (int64_t j = 0; j < tiled; j += kTileN)
@@ -668,7 +677,7 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
   constexpr bool kHalf = Kind == kBFloat16 && kNativeBFloat16;
   thread_local std::vector<Packed<Kind>> packed;
   thread_local std::vector<int64_t> first_task;
-  const PanelLayout layout(m);
+  const PanelLayout layout(m, !kHalf);
   const int64_t panels = layout.count;
   packed.resize(static_cast<size_t>(panels * kPanel * (kHalf ? 2 * bf16_pairs(k) : k)));
   first_task.resize(static_cast<size_t>(count + 1));
@@ -684,8 +693,8 @@ void gemm(const Element<Kind>* x, int64_t x_stride, const Segment<Kind>* segment
   {
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-      if constexpr (kHalf) pack_panel_bf16(x, x_stride, m, k, p, layout.width(p), panel_data);
-      else pack_panel<Kind>(x, x_stride, m, k, p, layout.width(p), panel_data);
+      if constexpr (kHalf) pack_panel_bf16(x, x_stride, m, k, p, layout.first(p), layout.width(p), panel_data);
+      else pack_panel<Kind>(x, x_stride, m, k, p, layout.first(p), layout.width(p), panel_data);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {

@@ -37,12 +37,12 @@ def _exact(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", KINDS, ids=KIND_IDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 40, 48])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 20, 40, 48, 56])
 # below the blocked product's first row count (16; with AVX-512 float32 2, bfloat16 3, float16 8): passes of dot
 # products over each work item's weights (up to 8 rows with AVX-512, else 4); from there the blocked product (panels
 # of two vectors of rows padded with zero rows, the last one of one vector or, with AVX-512, half a vector where no
-# more rows are left: 17 takes a padded panel of two, 40 half a vector and 48 one vector after a whole one with
-# AVX-512); 576: a multiple of every vector width; 67 and 83: tails of vectors and of elements (one-row products read
+# more rows are left: 17 and 20 take one vector and half of one in float32 and float16 with AVX-512, a padded panel
+# of two otherwise; 40 half a vector, 48 one vector and 56 one and a half after a whole one with AVX-512); 576: a multiple of every vector width; 67 and 83: tails of vectors and of elements (one-row products read
 # rows of up to 1024 elements one by one, four vectors at a time; bfloat16 through AVX512_BF16 up to 2048); 1100: rows
 # long enough for the tiles at one row (float32, float16, and bfloat16 without AVX512_BF16); 2100: for all
 @pytest.mark.parametrize("in_features", [576, 67, 83, 1100, 2100])
@@ -84,10 +84,11 @@ def test_a_row_of_a_blocked_product_does_not_depend_on_its_neighbours(dtype):
     first = cpu_linear.blocked_from_rows(dtype)
     assert first in (2, 3, 8, 16)
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(48, 576, generator=g).to(dtype)
+    x = torch.randn(56, 576, generator=g).to(dtype)
     w = (torch.randn(37, 576, generator=g) * 0.05).to(dtype)
-    full = kernel(x, w)   # with AVX-512 a whole panel of 32 rows, then one of 16
-    slices = [(0, 16), (0, 17), (16, 33), (23, 40), (1, 40), (0, 48), (32, 48), (5, 48), (0, 8), (32, 40), (40, 48)]
+    full = kernel(x, w)   # with AVX-512 a whole panel of 32 rows, then (float32) one of 16 and one of 8
+    slices = [(0, 16), (0, 17), (16, 33), (23, 40), (1, 40), (0, 48), (32, 48), (5, 48), (0, 8), (32, 40), (40, 48),
+              (0, 20), (4, 28), (30, 54), (1, 56), (0, 24), (31, 56)]
     slices += [(3, 3 + first), (10, 10 + first + 2)]
     for start, stop in slices:
         if stop - start >= first:
