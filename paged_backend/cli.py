@@ -60,14 +60,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--num-blocks", type=int, default=None, help="device KV blocks (instead of --kv-cache-memory)")
     group.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: share of free memory)")
-    group.add_argument("--swap-space", default=None, help="host swap space for preempted requests, e.g. 1GiB")
+    group.add_argument("--swap-space", default=None, help="host swap space for preempted requests, e.g. 1GiB; 0: none, they recompute "
+                            "(default: as many blocks as the device's, at most 1 GiB)")
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="what the KV cache stores: the model's dtype (auto), a 16-bit float or fp8")
     group.add_argument("--max-num-seqs", type=int, default=None,
                        help="sequences per step (default 256, or the token budget if smaller)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     group.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
+                       help="how preempted requests give back their blocks (default: swap on a CPU device, where it "
+                            "is a copy within memory; elsewhere recompute one-sequence requests and swap the others)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="share cached prompt prefixes, and let recomputed requests find their own blocks "
                             "(default: on, as in vLLM v1)")

@@ -18,8 +18,9 @@ PREEMPTION_MODES = (None, "recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def parse_memory(value: Union[int, float, str, None], what: str = "memory") -> Optional[int]:
-    """Turn 512MiB, "1.5GB", 1048576 or None into a byte count (or None)."""
+def parse_memory(value: Union[int, float, str, None], what: str = "memory", allow_zero: bool = False) -> Optional[int]:
+    """Turn 512MiB, "1.5GB", 1048576 or None into a byte count (or None); 0 only where `allow_zero` (swap space:
+    none, as vLLM's `--swap-space 0`)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -32,8 +33,8 @@ def parse_memory(value: Union[int, float, str, None], what: str = "memory") -> O
         if match is None or unit not in _UNITS:
             raise ValueError(f"{what}: cannot parse {value!r}; use bytes or a size such as '512MiB' or '2GB'")
         nbytes = int(float(match.group(1)) * _UNITS[unit])
-    if nbytes <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
+    if nbytes < 0 or (nbytes == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
     return nbytes
 
 
@@ -72,8 +73,7 @@ class CacheConfig:
         if self.num_swap_blocks is not None and (not isinstance(self.num_swap_blocks, int) or self.num_swap_blocks < 0):
             raise ValueError(f"num_swap_blocks must be a non-negative integer, got {self.num_swap_blocks!r}")
         self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv_cache_memory")
-        if self.swap_space is not None and self.swap_space != 0:
-            self.swap_space = parse_memory(self.swap_space, "swap_space")
+        self.swap_space = parse_memory(self.swap_space, "swap_space", allow_zero=True)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

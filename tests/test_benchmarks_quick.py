@@ -323,6 +323,7 @@ def test_transformers_serve_is_forced_without_ignore_eos():
         "do_sample": False, "max_new_tokens": 64, "eos_token_id": -1}
     assert theirs.argv[theirs.argv.index("--cb-num-blocks") + 1] == "16" and "--continuous-batching" in theirs.argv
     assert ours.argv[ours.argv.index("--num-blocks") + 1] == "16" and "--max-model-len" not in ours.argv
+    assert ours.argv[ours.argv.index("--swap-space") + 1] == "0"   # the KV budget is all: no host pool to swap to
 
 
 # ---- the quick benchmarks -------------------------------------------------------------------------

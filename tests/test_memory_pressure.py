@@ -265,3 +265,35 @@ def test_freed_prefix_chains_are_evicted_from_the_tail():
     again = SequenceGroup("again", None, tokens, Params(temperature=0))
     bm.allocate(again)
     assert again.seqs[0].num_computed_tokens == 3 * 4
+
+
+def _single_sequence_pressure(swap_single=None, **options):
+    """Two greedy one-sequence requests that cannot both grow in 6 blocks of 8: the newer one is preempted.
+    `swap_single` False: the scheduler's default on other devices than the CPU."""
+    model, tok = get_model("tiny-llama", torch.float32)
+    engine = LLMEngine(model, tokenizer=tok, num_blocks=6, block_size=8, **options)
+    assert engine.scheduler.swap_single   # the engine's device is the CPU
+    if swap_single is not None:
+        engine.scheduler.swap_single = swap_single
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i, start in enumerate((800, 900)):
+        engine.add_request(f"r{i}", list(range(start, start + 12)), params, arrival_time=float(i))
+    outs = run_to_completion(engine, MAX_STEPS)
+    for i, start in enumerate((800, 900)):
+        assert [c.token_ids for c in outs[f"r{i}"].outputs] == alone(model, tok, list(range(start, start + 12)), params)
+    assert_no_leaks(engine)
+    return engine.get_stats()
+
+
+def test_on_a_cpu_device_one_sequence_requests_are_swapped_by_default_and_recomputed_without_host_blocks():
+    """Without a preemption_mode a CPU engine swaps one-sequence requests too (copying blocks within the same
+    memory costs far less than recomputing them), and recomputes them where it has no host pool; the scheduler's
+    default for other devices keeps vLLM's, recomputation."""
+    swapped = _single_sequence_pressure(num_swap_blocks=8)
+    assert swapped.num_swap_preemptions > 0 and swapped.num_recompute_preemptions == 0
+    recomputed = _single_sequence_pressure(num_swap_blocks=0)
+    assert recomputed.num_recompute_preemptions > 0 and recomputed.num_swap_preemptions == 0
+    pinned = _single_sequence_pressure(num_swap_blocks=8, preemption_mode="recompute")
+    assert pinned.num_recompute_preemptions > 0 and pinned.num_swap_preemptions == 0
+    elsewhere = _single_sequence_pressure(swap_single=False, num_swap_blocks=8)
+    assert elsewhere.num_recompute_preemptions > 0 and elsewhere.num_swap_preemptions == 0

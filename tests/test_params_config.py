@@ -72,6 +72,14 @@ def test_parse_memory_rejects(text):
         parse_memory(text)
 
 
+@pytest.mark.parametrize("given", ["0", "0GiB", 0])
+def test_swap_space_zero_means_no_host_pool_as_vllms_flag(given):
+    """`--swap-space 0` (a string from the command line) gives no host blocks: preempted requests recompute."""
+    assert CacheConfig(swap_space=given).swap_space == 0
+    with pytest.raises(ValueError, match="swap_space"):
+        CacheConfig(swap_space=-1)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="power of two"):
         CacheConfig(block_size=12)

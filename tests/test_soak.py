@@ -42,7 +42,7 @@ def test_soak_with_aborts_and_both_preemption_kinds():
     rng = random.Random(2024)
     model, tok = get_model("tiny-llama")
     engine = LLMEngine(model, tokenizer=tok, num_blocks=48, block_size=8, max_num_seqs=32,
-                       max_num_batched_tokens=256, num_swap_blocks=64)
+                       max_num_batched_tokens=256, num_swap_blocks=16)   # a host pool that fills: both kinds
     requests = {f"r{i}": random_request(rng) for i in range(500)}
     aborts = {rid: rng.randint(0, 220) for rid in rng.sample(sorted(requests), 100)}
     pending = list(requests)

@@ -41,8 +41,12 @@ def common_prefix_len(seqs: List[Sequence]) -> int:
 class Scheduler:
     """Waiting, running and swapped queues of whole requests over one block manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: Optional[int] = None) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: Optional[int] = None,
+                 swap_single: bool = False) -> None:
         self.config = config
+        # Without a preemption_mode, a request of one sequence is swapped where copying its blocks costs less than
+        # recomputing them (a CPU device: the host pool is the same memory), else recomputed (vLLM's default).
+        self.swap_single = swap_single
         self.block_manager = block_manager
         self.max_loras = max_loras  # LoRA adapters that may run at once (the device's slots); None: no adapters
         self.waiting: Deque[SequenceGroup] = deque()
@@ -196,7 +200,7 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         mode = self.config.preemption_mode
         if mode is None:
-            mode = "recompute" if group.max_num_running_seqs() == 1 else "swap"
+            mode = "recompute" if group.max_num_running_seqs() == 1 and not self.swap_single else "swap"
         bm = self.block_manager
         if mode == "swap" and not bm.can_swap_out(group, out.blocks_to_swap_out):
             mode = "recompute"

@@ -109,7 +109,8 @@ class LLMEngine(StepLoop):
                                           cache.watermark, cache.enable_prefix_caching, self.sliding_window)
         self.loras = self._make_lora_manager()
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager,
-                                   self.config.lora.max_loras if self.loras is not None else None)
+                                   self.config.lora.max_loras if self.loras is not None else None,
+                                   swap_single=self.device.type == "cpu")
         self.runner = self._make_runner()
         self.kernels = kernels.kernels_in_use(self.device)  # which implementation runs each op (metrics, info)
         self.sampler = Sampler(self.config.seed)
