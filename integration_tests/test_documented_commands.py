@@ -65,7 +65,7 @@ SMALL: List[Tuple[str, str]] = [
 ]
 TRITON_PORTS = " --http-port {port} --grpc-port {port} --metrics-port {port}"
 SERVE = ("paged-backend serve DIR --host 127.0.0.1 --port 8000 --api-key KEY --max-num-seqs 8 --num-blocks 192 "
-         "--block-size 16 --device cuda --dtype bfloat16 --tensor-parallel-size 4")
+         "--block-size 16 --swap-space 0 --device cuda --dtype bfloat16 --tensor-parallel-size 4")
 TRITON_REPO = "paged-backend triton-repo repo/ --model smollm2 --kv-cache-memory 16MiB"
 TRITON_SERVE = "paged-backend triton-serve --model-repository repo/" + TRITON_PORTS
 QUICK = "tests/test_benchmarks_quick.py::test_quick_{}_benchmark"
@@ -90,7 +90,7 @@ COMMANDS: Dict[str, Run] = {
     "paged-backend serve": Run("http", SERVE),
     "paged-backend serve smollm2": Run("http", SERVE),
     "paged-backend serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]": Run("http", SERVE),
-    "paged-backend serve DIR --num-blocks 192 --block-size 16": Run("http", SERVE),
+    "paged-backend serve DIR --num-blocks 192 --block-size 16 --swap-space 0": Run("http", SERVE),
     "paged-backend serve path/to/hf-model --device cuda --dtype bfloat16 --tensor-parallel-size 4": Run("http", SERVE),
     "paged-backend serve --help": Run("exit"),
     "paged-backend serve smollm2 --port 8000 --speculative-config "
