@@ -216,3 +216,32 @@ def test_each_server_is_waited_for_as_long_as_its_start_may_take(monkeypatch):
     eager.argv[0], compiled.argv[0] = "eager", "compiled"
     serving._start_all([eager, compiled], {})
     assert waited["eager"] == 300.0 and waited["compiled"] >= 1800.0
+
+
+def test_llama_cpp_on_our_kv_budget_reserves_the_whole_request_slots_that_fit(cache):
+    """--llama-cpp-kv equal: llama.cpp gets the other servers' KV slots, as many whole-request slots as they hold
+    (it cannot preempt), so streams beyond them queue; own (the default): a slot per stream."""
+    import argparse
+
+    from paged_backend.benchmarks import cli as bench_cli
+    from paged_backend.benchmarks.paper.llama_cpp import LlamaCpp
+    from paged_backend.benchmarks.paper.serving import _systems
+
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers(), "bench")
+    args = parser.parse_args(["bench", "serving", "--size", "anchor", "--systems", "paged-compiled,llama.cpp",
+                              "--concurrencies", "16,32", "--llama-cpp-kv", "equal"])
+    equal = SPEC.config("anchor", **bench_cli._overrides(SPEC, args))
+    own = SPEC.config("anchor", systems=("paged-compiled", "llama.cpp"), concurrencies=(16, 32))
+    assert (equal.llama_cpp_slots(), own.llama_cpp_slots()) == (12, 32)   # 3072 // 256, one per stream
+    llama = LlamaCpp(server=Path("/b/llama-server"), gguf={"f32": Path("/g/m-f32.gguf")})
+    for config, slots in ((equal, 12), (own, 32)):
+        peer = next(s for s in _systems(config, Path("/m"), 2, llama) if s.name == "llama.cpp")
+        option = dict(zip(peer.argv, peer.argv[1:]))
+        assert (option["--parallel"], option["--ctx-size"]) == (str(slots), str(slots * 256))
+        assert slots * 256 <= config.kv_slots or config.llama_cpp_kv == "own"
+    with pytest.raises(ValueError, match="own or equal"):
+        ServingConfig(llama_cpp_kv="same")
+    with pytest.raises(ValueError, match="hold no llama.cpp slot"):
+        ServingConfig(systems=("paged", "llama.cpp"), kv_slots=128, llama_cpp_kv="equal")
+    assert not cache.exists()

@@ -46,6 +46,10 @@ class ServingConfig:
     threads: Optional[int] = 2
     dtype: str = "float32"
     request_timeout_s: float = 600.0
+    # llama.cpp's KV: "own", a whole request's slot for every stream (what its users run; more KV than kv_slots at
+    # high concurrency), or "equal", kv_slots in as many whole-request slots as fit (its server cannot preempt: a
+    # shared pool that fills fails every running request), so the streams beyond them queue
+    llama_cpp_kv: str = "own"
 
     def __post_init__(self) -> None:
         self.systems, self.concurrencies = tuple(self.systems), tuple(self.concurrencies)
@@ -59,6 +63,21 @@ class ServingConfig:
             raise ValueError(f"concurrencies must be positive, got {self.concurrencies}")
         if self.kv_slots % self.block_size:
             raise ValueError(f"kv_slots={self.kv_slots} is not a multiple of block_size={self.block_size}")
+        if self.llama_cpp_kv not in ("own", "equal"):
+            raise ValueError(f"llama_cpp_kv must be own or equal, got {self.llama_cpp_kv!r}")
+        if self.llama_cpp_systems() and self.llama_cpp_slots() < 1:
+            raise ValueError(f"llama_cpp_kv=equal: kv_slots={self.kv_slots} hold no llama.cpp slot of "
+                             f"{self.llama_slot_context()} tokens")
+
+    def llama_slot_context(self) -> int:
+        return llama_slot_context(self.prompt_tokens, self.output_tokens, self.max_model_len)
+
+    def llama_cpp_slots(self) -> int:
+        """llama.cpp's parallel slots: one per stream, or with llama_cpp_kv=equal those of kv_slots' tokens."""
+        streams = max(self.concurrencies)
+        if self.llama_cpp_kv == "own":
+            return streams
+        return min(streams, self.kv_slots // self.llama_slot_context())
 
     def llama_cpp_systems(self) -> List[str]:
         return [name for name in self.systems if name in LLAMA_CPP_SYSTEMS]
@@ -93,8 +112,7 @@ def _systems(config: ServingConfig, model_dir: Path, threads: int, llama: Option
         if name in LLAMA_CPP_SYSTEMS:
             kind = gguf_type(name, config.dtype)
             built.append(llama_cpp_system(name, llama.server, llama.gguf[kind], kind, threads,
-                                          max(config.concurrencies), llama_slot_context(
-                                              config.prompt_tokens, config.output_tokens, limit), config.model))
+                                          config.llama_cpp_slots(), config.llama_slot_context(), config.model))
         elif name in ("paged", COMPILED):
             built.append(paged_system(model_dir, config.kv_slots, config.block_size, limit, config.dtype,
                                       compiled=name == COMPILED))
