@@ -219,8 +219,8 @@ def test_each_server_is_waited_for_as_long_as_its_start_may_take(monkeypatch):
 
 
 def test_llama_cpp_on_our_kv_budget_reserves_the_whole_request_slots_that_fit(cache):
-    """--llama-cpp-kv equal: llama.cpp gets the other servers' KV slots, as many whole-request slots as they hold
-    (it cannot preempt), so streams beyond them queue; own (the default): a slot per stream."""
+    """--llama-cpp-kv equal: llama.cpp gets the other servers' KV slots, as many slots of exactly a request's tokens
+    as they hold (it cannot preempt), so streams beyond them queue; own (the default): a slot per stream."""
     import argparse
 
     from paged_backend.benchmarks import cli as bench_cli
@@ -233,15 +233,16 @@ def test_llama_cpp_on_our_kv_budget_reserves_the_whole_request_slots_that_fit(ca
                               "--concurrencies", "16,32", "--llama-cpp-kv", "equal"])
     equal = SPEC.config("anchor", **bench_cli._overrides(SPEC, args))
     own = SPEC.config("anchor", systems=("paged-compiled", "llama.cpp"), concurrencies=(16, 32))
-    assert (equal.llama_cpp_slots(), own.llama_cpp_slots()) == (12, 32)   # 3072 // 256, one per stream
+    assert (equal.llama_cpp_slots(), own.llama_cpp_slots()) == (16, 32)   # 3072 // (128 + 64), one per stream
+    assert (equal.llama_slot_context(), own.llama_slot_context()) == (192, 256)
     llama = LlamaCpp(server=Path("/b/llama-server"), gguf={"f32": Path("/g/m-f32.gguf")})
-    for config, slots in ((equal, 12), (own, 32)):
+    for config, slots, context in ((equal, 16, 192), (own, 32, 256)):
         peer = next(s for s in _systems(config, Path("/m"), 2, llama) if s.name == "llama.cpp")
         option = dict(zip(peer.argv, peer.argv[1:]))
-        assert (option["--parallel"], option["--ctx-size"]) == (str(slots), str(slots * 256))
-        assert slots * 256 <= config.kv_slots or config.llama_cpp_kv == "own"
+        assert (option["--parallel"], option["--ctx-size"]) == (str(slots), str(slots * context))
+        assert slots * context <= config.kv_slots or config.llama_cpp_kv == "own"
     with pytest.raises(ValueError, match="own or equal"):
         ServingConfig(llama_cpp_kv="same")
     with pytest.raises(ValueError, match="hold no llama.cpp slot"):
-        ServingConfig(systems=("paged", "llama.cpp"), kv_slots=128, llama_cpp_kv="equal")
+        ServingConfig(systems=("paged", "llama.cpp"), kv_slots=176, llama_cpp_kv="equal")
     assert not cache.exists()

@@ -46,9 +46,10 @@ class ServingConfig:
     threads: Optional[int] = 2
     dtype: str = "float32"
     request_timeout_s: float = 600.0
-    # llama.cpp's KV: "own", a whole request's slot for every stream (what its users run; more KV than kv_slots at
-    # high concurrency), or "equal", kv_slots in as many whole-request slots as fit (its server cannot preempt: a
-    # shared pool that fills fails every running request), so the streams beyond them queue
+    # llama.cpp's KV: "own", a whole request's slot (with room to spare) for every stream (what its users run; more
+    # KV than kv_slots at high concurrency), or "equal", kv_slots in as many slots of exactly a request's tokens as
+    # fit (its server cannot preempt: a shared pool that fills fails every running request), the streams beyond
+    # them queuing
     llama_cpp_kv: str = "own"
 
     def __post_init__(self) -> None:
@@ -70,6 +71,11 @@ class ServingConfig:
                              f"{self.llama_slot_context()} tokens")
 
     def llama_slot_context(self) -> int:
+        """Tokens per llama.cpp slot: with its own budget a whole request and room to spare; on ours exactly a
+        request's tokens, as our servers hold (llama.cpp counts guidellm's prompts as ours do: its usage reports
+        exactly prompt_tokens)."""
+        if self.llama_cpp_kv == "equal" and self.max_model_len is None:
+            return self.prompt_tokens + self.output_tokens
         return llama_slot_context(self.prompt_tokens, self.output_tokens, self.max_model_len)
 
     def llama_cpp_slots(self) -> int:
