@@ -399,7 +399,8 @@ struct PanelLayout {
     const int64_t rest = m % kPanel;
     if (rest > 0 && rest <= kQuarter) tail[tails++] = kQuarter;
     else if (rest > 0 && rest <= L) tail[tails++] = L;
-    else if (rest > 0 && split_tail && kQuarter < L && rest <= L + kQuarter) tail[tails++] = L, tail[tails++] = kQuarter;
+    else if (rest > 0 && split_tail && kQuarter < L && rest <= L + kQuarter)
+      tail[tails++] = L, tail[tails++] = kQuarter;
     else if (rest > 0) tail[tails++] = kPanel;
     count = whole + tails;
     lanes = whole * kPanel + tail[0] + tail[1];

@@ -60,8 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--num-blocks", type=int, default=None, help="device KV blocks (instead of --kv-cache-memory)")
     group.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB (default: share of free memory)")
-    group.add_argument("--swap-space", default=None, help="host swap space for preempted requests, e.g. 1GiB; 0: none, they recompute "
-                            "(default: as many blocks as the device's, at most 1 GiB)")
+    group.add_argument("--swap-space", default=None,
+                       help="host swap space for preempted requests, e.g. 1GiB; 0: none, they recompute (default: as "
+                            "many blocks as the device's, at most 1 GiB)")
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="what the KV cache stores: the model's dtype (auto), a 16-bit float or fp8")
     group.add_argument("--max-num-seqs", type=int, default=None,

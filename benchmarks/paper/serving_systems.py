@@ -102,8 +102,9 @@ def paged_system(model_dir: Path, kv_slots: int, block_size: int, max_model_len:
     listens, so every measured step runs compiled code. No host swap pool: the KV budget is all the memory its
     requests' states get (on a CPU the engine would otherwise swap preempted requests into more of the same RAM)."""
     argv = [*python_command(), "-m", "paged_backend.cli", "serve", str(model_dir), "--port", "0", "--log-level",
-            "warning", "--block-size", str(block_size), "--num-blocks", str(kv_slots // block_size), "--swap-space", "0",
-            "--dtype", dtype, *_context_limit(max_model_len), *(["--compile", "blocking"] if compiled else [])]
+            "warning", "--block-size", str(block_size), "--num-blocks", str(kv_slots // block_size),
+            "--swap-space", "0", "--dtype", dtype, *_context_limit(max_model_len),
+            *(["--compile", "blocking"] if compiled else [])]
     # a first compiled start compiles every batch bucket before it listens: 160-170 s alone on a quiet 2-core
     # Xeon, over 300 s on a slower one while the other servers load beside it
     return ServedSystem(COMPILED if compiled else "paged", argv, OUR_READY, _ours_force,
