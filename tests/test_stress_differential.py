@@ -233,7 +233,8 @@ def pytest_generate_tests(metafunc):
 
 @pytest.mark.parametrize("proposer", ["oracle", "ngram"])
 def test_stress_speculation_changes_no_output(stress_seed, proposer):
-    """Speculative decoding on and off (the default preemption mix, float64): its greedy requests speculate
+    """Speculative decoding on and off (float64; off under vLLM's preemption mix, on under the CPU engine's default,
+    every preempted request swapped while the host pool has room): its greedy requests speculate
     (drafts from prompt lookup, or the known continuations with a wrong token here and there, so that drafts are
     accepted and rejected) among beams, structured, seeded and failing requests; every output, text,
     log-probability, finish reason and error is the same, and neither run leaks a block."""
