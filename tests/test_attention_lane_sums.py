@@ -6,13 +6,8 @@ run by default are compiled and run here with their own -march."""
 
 from __future__ import annotations
 
-import platform
-import subprocess
-from pathlib import Path
-
+import kernel_harness
 import pytest
-
-from paged_backend.kernels import cpu_build
 
 HARNESS = r"""
 #include "cpu_attention.cpp"
@@ -36,34 +31,13 @@ int main() {
 }
 """
 
-X86 = platform.machine() in ("x86_64", "AMD64")
-BUILDS = [pytest.param(["-march=native"], id="native"),
-          pytest.param(["-march=x86-64-v3"], id="avx2", marks=pytest.mark.skipif(not X86, reason="x86 only")),
-          pytest.param([], id="portable")]
-
-
-def _cpu_has_avx2() -> bool:
-    try:
-        return " avx2" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+BUILDS = kernel_harness.BUILDS + [pytest.param([], id="portable")]
 
 
 @pytest.mark.parametrize("march", BUILDS)
 def test_batched_lane_sums_equal_one_tree_per_vector(tmp_path, march):
-    compiler, why = cpu_build.compiler_command()
-    assert compiler is not None, why
-    if march == ["-march=x86-64-v3"] and not _cpu_has_avx2():
-        pytest.skip("this CPU cannot run an AVX2 build")
-    source = tmp_path / "lane_sums.cpp"
-    source.write_text(HARNESS)
-    binary = tmp_path / "lane_sums"
-    kernels_dir = Path(cpu_build.HERE)
-    subprocess.run([*compiler, "-O2", "-std=c++17", "-fopenmp", "-Wno-psabi", *march, f"-I{kernels_dir}",
-                    str(source), "-o", str(binary)], check=True, capture_output=True, timeout=300)
-    lanes, mismatches = map(int, subprocess.run([str(binary)], check=True, capture_output=True, text=True,
-                                                timeout=60).stdout.split())
+    lanes, mismatches = map(int, kernel_harness.run_harness(tmp_path, HARNESS, march).split())
     assert lanes in (8, 16)
-    if march == ["-march=x86-64-v3"]:
+    if march == kernel_harness.AVX2:
         assert lanes == 8
     assert mismatches == 0, f"{mismatches} of {2000 * lanes} batched sums differ from the tree at {lanes} lanes"

@@ -7,13 +7,8 @@ That each row's bits do not depend on the layout: tests/test_linear_kernel.py.""
 
 from __future__ import annotations
 
-import platform
-import subprocess
-from pathlib import Path
-
+import kernel_harness
 import pytest
-
-from paged_backend.kernels import cpu_build
 
 HARNESS = r"""
 #include "cpu_linear.cpp"
@@ -35,25 +30,6 @@ int main() {
 }
 """
 
-X86 = platform.machine() in ("x86_64", "AMD64")
-BUILDS = [pytest.param(["-march=native"], id="native"),
-          pytest.param(["-march=x86-64-v3"], id="avx2", marks=pytest.mark.skipif(not X86, reason="x86 only"))]
-
-
-def _run_harness(tmp_path: Path, march):
-    compiler, why = cpu_build.compiler_command()
-    assert compiler is not None, why
-    if march == ["-march=x86-64-v3"] and " avx2" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("this CPU cannot run an AVX2 build")
-    source, binary = tmp_path / "panels.cpp", tmp_path / "panels"
-    source.write_text(HARNESS)
-    subprocess.run([*compiler, "-O1", "-std=c++17", "-fopenmp", "-w", *march, f"-I{cpu_build.HERE}", str(source),
-                    "-o", str(binary)], check=True, capture_output=True, timeout=300)
-    lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=60).stdout.splitlines()
-    lanes, quarter = map(int, lines[0].split())
-    return lanes, quarter, [tuple(map(int, line.split())) for line in lines[1:]]
-
-
 def _expected(m: int, split: bool, lanes: int, quarter: int) -> int:
     panel = 2 * lanes
     rest = m % panel
@@ -70,15 +46,17 @@ def _expected(m: int, split: bool, lanes: int, quarter: int) -> int:
     return m - rest + tail
 
 
-@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("march", kernel_harness.BUILDS)
 def test_rows_left_after_whole_panels_take_the_narrowest_panels_that_hold_them(tmp_path, march):
-    lanes, quarter, rows = _run_harness(tmp_path, march)
-    assert (lanes, quarter) in ((16, 8), (8, 8))
-    if march == ["-march=x86-64-v3"]:
+    lines = kernel_harness.run_harness(tmp_path, HARNESS, march).splitlines()
+    lanes, quarter = map(int, lines[0].split())
+    rows = [tuple(map(int, line.split())) for line in lines[1:]]
+    assert (lanes, quarter) in ((16, 8), (8, 8)) and len(rows) == 160
+    if march == kernel_harness.AVX2:
         assert (lanes, quarter) == (8, 8)
     for m, split, padded, end, consecutive in rows:
         assert consecutive == 1 and end == padded, (m, split)
         assert padded == _expected(m, bool(split), lanes, quarter), (m, split, padded)
     if lanes == 16:   # a decode step of 20 sequences: 24 float32 lanes, bfloat16 a padded panel of 32
-        assert dict(((m, s), p) for m, s, p, _, _ in rows)[(20, 1)] == 24
-        assert dict(((m, s), p) for m, s, p, _, _ in rows)[(20, 0)] == 32
+        padded = {(m, split): p for m, split, p, _, _ in rows}
+        assert (padded[(20, 1)], padded[(20, 0)]) == (24, 32)
