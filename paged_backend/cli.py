@@ -72,6 +72,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                        help="how preempted requests give back their blocks (default: swap on a CPU device, where it "
                             "is a copy within memory; elsewhere recompute one-sequence requests and swap the others)")
+    group.add_argument("--admission-backoff-steps", type=int, default=512,
+                       help="after a preemption, admit a new request only with room for the running ones to grow "
+                            "to their max_tokens, a caution that fades over this many steps (default 512; 0: admit "
+                            "whenever a request's tokens fit, as vLLM)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="share cached prompt prefixes, and let recomputed requests find their own blocks "
                             "(default: on, as in vLLM v1)")
@@ -104,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
+                admission_backoff_steps=args.admission_backoff_steps,
                 enable_prefix_caching=args.enable_prefix_caching,
                 tensor_parallel_size=args.tensor_parallel_size, compile=args.compile,
                 enforce_eager=args.enforce_eager, seed=args.seed, enable_lora=args.enable_lora,

@@ -85,7 +85,12 @@ class SchedulerConfig:
     """Per-step budgets and the preemption policy.
 
     Every running sequence decodes one token per step, so the token budget must cover the sequence budget
-    (as in vLLM); without an explicit `max_num_seqs` it is 256 or the token budget if that is smaller."""
+    (as in vLLM); without an explicit `max_num_seqs` it is 256 or the token budget if that is smaller.
+
+    `admission_backoff_steps`: admission is on demand (vLLM's: a request needs blocks for its tokens so far)
+    until a preemption; from then on a new request must also leave room for every running sequence to grow by a
+    share of what its `max_tokens` (or the context limit) still allows, a share that starts at all of it and
+    fades to nothing over this many steps (0: on demand always)."""
 
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: int = 2048
@@ -93,8 +98,13 @@ class SchedulerConfig:
     max_model_len: Optional[int] = None
     # vLLM's name: schedule step N+1 and prepare its inputs while step N's forward runs (in a worker thread)
     async_scheduling: bool = True
+    admission_backoff_steps: int = 512
 
     def __post_init__(self) -> None:
+        if (isinstance(self.admission_backoff_steps, bool) or not isinstance(self.admission_backoff_steps, int)
+                or self.admission_backoff_steps < 0):
+            raise ValueError(f"admission_backoff_steps must be a non-negative integer, got "
+                             f"{self.admission_backoff_steps!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
         if self.max_num_seqs is None:

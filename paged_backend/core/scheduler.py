@@ -4,10 +4,15 @@ Every step it keeps running requests going (first come, first served), preemptin
 from the back when their next slots do not fit, brings swapped requests back, and only then admits
 waiting ones. Prompts larger than the token budget are prefilled in chunks. A request that can never
 be scheduled fails with an error instead of waiting forever.
+
+Admission is on demand until a preemption shows that the running requests outgrow the cache; then, for
+`admission_backoff_steps` steps, a new request also leaves room for the running ones to grow (`_growth_blocks`):
+a preempted request's blocks are recomputed or copied, work that a request admitted a little later never costs.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Deque, List, Optional
 
@@ -55,6 +60,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
+        # the share of their remaining tokens the running sequences keep room for at admission: 1 after a
+        # preemption, falling by 1 / admission_backoff_steps per step to 0 (on-demand admission)
+        self.growth_share = 0.0
 
     # ---- queues ------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -129,6 +137,8 @@ class Scheduler:
             self._admit_waiting(out, budget)
         if out.is_empty and not out.failed and not self.running:
             self._fail_unschedulable_head(out)
+        if self.growth_share > 0.0:
+            self.growth_share = max(0.0, self.growth_share - 1.0 / self.config.admission_backoff_steps)
         return out
 
     def _keep_running(self, out: SchedulerOutput) -> List[SequenceGroup]:
@@ -222,6 +232,8 @@ class Scheduler:
         group.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(group)
+        if self.config.admission_backoff_steps:
+            self.growth_share = 1.0
 
     def _swap_in(self, out: SchedulerOutput, budget: _Budget, adapters: set) -> List[SequenceGroup]:
         """Bring swapped requests back in arrival order while blocks and the sequence budget allow;
@@ -308,6 +320,7 @@ class Scheduler:
         bm = self.block_manager
         adapters = self._running_adapters()
         deferred: List[SequenceGroup] = []
+        reserve = None   # blocks the running sequences keep for growth, counted once when first needed
         while self.waiting and budget.tokens > 0:
             group = self.waiting[0]
             if not self._adapter_fits(group, adapters):
@@ -326,6 +339,13 @@ class Scheduler:
                 break
             if budget.seqs + group.max_num_running_seqs() > budget.max_seqs:
                 break
+            if self.growth_share > 0.0 and self.running:
+                if reserve is None:
+                    reserve = self._growth_blocks(s for g in self.running for s in g.get_seqs(SequenceStatus.RUNNING))
+                own = self._growth_blocks(group.active_seqs())
+                if bm.get_num_free_blocks() - bm.admission_blocks(group) - bm.watermark_blocks < reserve + own:
+                    break
+                reserve += own
             self.waiting.popleft()
             bm.allocate(group)
             group.set_status(SequenceStatus.RUNNING)
@@ -336,6 +356,19 @@ class Scheduler:
             adapters.add(group.lora_int_id)
             self._schedule_chunks(group, out, budget)
         self.waiting.extendleft(reversed(deferred))
+
+    def _growth_blocks(self, seqs) -> int:
+        """Blocks that `seqs` would add growing by `growth_share` of the tokens their length limit (max_tokens or
+        the context) still allows them; none under a sliding window, where a sequence holds a window's blocks."""
+        bm, share = self.block_manager, self.growth_share
+        if bm.sliding_window is not None:
+            return 0
+        blocks = 0
+        for seq in seqs:
+            length = seq.len_with_pending
+            if seq.max_len is not None and seq.max_len > length:
+                blocks += bm.blocks_for(length + math.ceil(share * (seq.max_len - length))) - bm.blocks_for(length)
+        return blocks
 
     # ---- LoRA adapters -----------------------------------------------------------------------
     def _running_adapters(self) -> set:
