@@ -71,9 +71,10 @@ OPTIONS: Dict[str, Tuple[str, Callable, str]] = {
     "--prefix-shots": ("prefix_shots", _ints, "sharing: few-shot prefix sizes, e.g. 1,5"),
     "--prefix-requests": ("prefix_requests", int, "sharing: requests sharing the prefix"),
     "--concurrencies": ("concurrencies", _ints, "serving: concurrent streams, e.g. 1,2,4,8,16,32"),
-    "--llama-cpp-kv": ("llama_cpp_kv", str, "serving: llama.cpp's KV budget: own (a whole request's slot per stream, "
-                                            "the default) or equal (the --kv-slots of the other servers, as many "
-                                            "slots of a request's tokens as fit: llama.cpp cannot preempt)"),
+    "--llama-cpp-kv": ("llama_cpp_kv", str, "serving: llama.cpp's KV budget: equal (the default: the --kv-slots "
+                                            "of the other servers, as many slots of a request's tokens as fit, "
+                                            "since llama.cpp cannot preempt) or own (a whole request's slot per "
+                                            "stream, more KV than the others at high concurrency)"),
     "--prompt-tokens": ("prompt_tokens", int, "serving: synthetic prompt length in tokens"),
     "--output-tokens": ("output_tokens", int, "serving, structured: forced output length in tokens"),
     "--min-requests": ("min_requests", int, "serving: requests per concurrency at least (else 2 per stream)"),

@@ -546,13 +546,15 @@ def test_recompute_policies_count_what_each_policy_recomputes():
     size = {**QUICK, "kv_slots": 96}
     model, tokenizer = load_bench_model(size["model"])
     trace = make_trace("sharegpt", tokenizer, 12, 0, size["max_prompt_len"], size["max_output_len"])
-    default = run_policy(model, tokenizer, trace, POLICIES["default (watermark 0.01, recompute)"], size)
+    default = run_policy(model, tokenizer, trace, POLICIES["on demand (vLLM's: watermark 0.01, recompute)"], size)
+    backoff = run_policy(model, tokenizer, trace, POLICIES["default (backoff 512 steps after a preemption)"], size)
     swap = run_policy(model, tokenizer, trace, POLICIES["swap (4096 host blocks beyond the budget)"], size)
     reserve = run_policy(model, tokenizer, trace, POLICIES["reserve 1 block per running sequence"], size)
     assert default["preemptions"] > 0 and default["recomputed"] > 0, default
     assert swap["preemptions"] > 0 and swap["recomputed"] == 0, swap
-    for row in (default, swap, reserve):
+    for row in (default, swap, reserve, backoff):
         assert row["failed"] == row["wrong_lengths"] == 0, row
+    assert 0 < backoff["preemptions"] < default["preemptions"], (backoff, default)
     trace_prompts = sum(r.prompt_len for r in trace.requests)
     # a resumed request also runs its newest token in the prefill, which it would have run as a decode anyway
     assert default["prefill_tokens"] == trace_prompts + default["recomputed"] + default["preemptions"], default
@@ -560,7 +562,8 @@ def test_recompute_policies_count_what_each_policy_recomputes():
     assert reserve["prefill_tokens"] == trace_prompts + reserve["recomputed"] + reserve["preemptions"], reserve
     # the what-if admission rule is in force: with a reserve no cache can hold, a new request waits until
     # nothing else runs, so every step runs one request
-    alone = run_policy(model, tokenizer, trace, {"reserve_per_seq": 1000}, size)
+    alone = run_policy(model, tokenizer, trace, {**POLICIES["reserve 1 block per running sequence"],
+                                                 "reserve_per_seq": 1000}, size)
     assert default["avg_batch"] > 1 and alone["avg_batch"] == 1.0 and alone["preemptions"] == 0, alone
 
 
@@ -609,7 +612,7 @@ def test_quick_step_profile_records_the_step_call_tree(tmp_path):
 def test_quick_recompute_policies_study(tmp_path):
     result = _bench("recompute-policies", tmp_path)
     rows = {r["policy"]: r for r in result["rows"]}
-    assert rows["default (watermark 0.01, recompute)"]["recomputed"] > 0
+    assert rows["on demand (vLLM's: watermark 0.01, recompute)"]["recomputed"] > 0
     assert rows["swap (4096 host blocks beyond the budget)"]["recomputed"] == 0
 
 

@@ -219,8 +219,8 @@ def test_each_server_is_waited_for_as_long_as_its_start_may_take(monkeypatch):
 
 
 def test_llama_cpp_on_our_kv_budget_reserves_the_whole_request_slots_that_fit(cache):
-    """--llama-cpp-kv equal: llama.cpp gets the other servers' KV slots, as many slots of exactly a request's tokens
-    as they hold (it cannot preempt), so streams beyond them queue; own (the default): a slot per stream."""
+    """--llama-cpp-kv equal (the default): llama.cpp gets the other servers' KV slots, as many slots of exactly a
+    request's tokens as they hold (it cannot preempt), so streams beyond them queue; own: a slot per stream."""
     import argparse
 
     from paged_backend.benchmarks import cli as bench_cli
@@ -230,9 +230,9 @@ def test_llama_cpp_on_our_kv_budget_reserves_the_whole_request_slots_that_fit(ca
     parser = argparse.ArgumentParser()
     bench_cli.add_parser(parser.add_subparsers(), "bench")
     args = parser.parse_args(["bench", "serving", "--size", "anchor", "--systems", "paged-compiled,llama.cpp",
-                              "--concurrencies", "16,32", "--llama-cpp-kv", "equal"])
-    equal = SPEC.config("anchor", **bench_cli._overrides(SPEC, args))
-    own = SPEC.config("anchor", systems=("paged-compiled", "llama.cpp"), concurrencies=(16, 32))
+                              "--concurrencies", "16,32", "--llama-cpp-kv", "own"])
+    own = SPEC.config("anchor", **bench_cli._overrides(SPEC, args))
+    equal = SPEC.config("anchor", systems=("paged-compiled", "llama.cpp"), concurrencies=(16, 32))
     assert (equal.llama_cpp_slots(), own.llama_cpp_slots()) == (16, 32)   # 3072 // (128 + 64), one per stream
     assert (equal.llama_slot_context(), own.llama_slot_context()) == (192, 256)
     llama = LlamaCpp(server=Path("/b/llama-server"), gguf={"f32": Path("/g/m-f32.gguf")})

@@ -46,11 +46,11 @@ class ServingConfig:
     threads: Optional[int] = 2
     dtype: str = "float32"
     request_timeout_s: float = 600.0
-    # llama.cpp's KV: "own", a whole request's slot (with room to spare) for every stream (what its users run; more
-    # KV than kv_slots at high concurrency), or "equal", kv_slots in as many slots of exactly a request's tokens as
-    # fit (its server cannot preempt: a shared pool that fills fails every running request), the streams beyond
-    # them queuing
-    llama_cpp_kv: str = "own"
+    # llama.cpp's KV: "equal" (the page's rule of equal KV memory), kv_slots in as many slots of exactly a request's
+    # tokens as fit (its server cannot preempt: a shared pool that fills fails every running request), the streams
+    # beyond them queuing; or "own", a whole request's slot (with room to spare) for every stream (what its users
+    # run given the memory; more KV than kv_slots at high concurrency)
+    llama_cpp_kv: str = "equal"
 
     def __post_init__(self) -> None:
         self.systems, self.concurrencies = tuple(self.systems), tuple(self.concurrencies)
