@@ -72,10 +72,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
                        help="how preempted requests give back their blocks (default: swap on a CPU device, where it "
                             "is a copy within memory; elsewhere recompute one-sequence requests and swap the others)")
-    group.add_argument("--admission-backoff-steps", type=int, default=512,
+    group.add_argument("--admission-backoff-steps", type=int, default=None,
                        help="after a preemption, admit a new request only with room for the running ones to grow "
-                            "to their max_tokens, a caution that fades over this many steps (default 512; 0: admit "
-                            "whenever a request's tokens fit, as vLLM)")
+                            "to their max_tokens, a caution that fades over this many steps (default: 512 on a CPU "
+                            "device, 0 elsewhere; 0: admit whenever a request's tokens fit, as vLLM)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="share cached prompt prefixes, and let recomputed requests find their own blocks "
                             "(default: on, as in vLLM v1)")

@@ -13,6 +13,8 @@ _UNITS = {
 }
 
 PREEMPTION_MODES = (None, "recompute", "swap")
+# SchedulerConfig.admission_backoff_steps on a CPU device unless given (docs/architecture.md, *Admission*)
+CPU_ADMISSION_BACKOFF_STEPS = 512
 # What the KV cache stores (vLLM's names): the model's dtype, a 16-bit float, or fp8 with per-tensor scales
 # ("fp8" is fp8_e4m3). cache_engine.kv_cache_torch_dtype maps them to torch dtypes.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -90,7 +92,10 @@ class SchedulerConfig:
     `admission_backoff_steps`: admission is on demand (vLLM's: a request needs blocks for its tokens so far)
     until a preemption; from then on a new request must also leave room for every running sequence to grow by a
     share of what its `max_tokens` (or the context limit) still allows, a share that starts at all of it and
-    fades to nothing over this many steps (0: on demand always)."""
+    fades to nothing over this many steps (0: on demand always). None: the engine's default for its device,
+    CPU_ADMISSION_BACKOFF_STEPS on a CPU (where a step's cost grows with its tokens, so a recomputed prompt is
+    lost time while a smaller batch is not), 0 elsewhere (vLLM's: a GPU's decode step costs about the same for
+    more sequences, and a prefill little)."""
 
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: int = 2048
@@ -98,11 +103,11 @@ class SchedulerConfig:
     max_model_len: Optional[int] = None
     # vLLM's name: schedule step N+1 and prepare its inputs while step N's forward runs (in a worker thread)
     async_scheduling: bool = True
-    admission_backoff_steps: int = 512
+    admission_backoff_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if (isinstance(self.admission_backoff_steps, bool) or not isinstance(self.admission_backoff_steps, int)
-                or self.admission_backoff_steps < 0):
+        steps = self.admission_backoff_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
             raise ValueError(f"admission_backoff_steps must be a non-negative integer, got "
                              f"{self.admission_backoff_steps!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:

@@ -47,7 +47,7 @@ def test_after_a_preemption_new_requests_wait_for_room_to_grow(dtype):
     assert 1 <= backing_off_preemptions < on_demand_preemptions, runs
 
 
-def _scheduler(num_blocks: int, backoff_steps: int = 4) -> Scheduler:
+def _scheduler(num_blocks: int, backoff_steps=4) -> Scheduler:
     bm = BlockManager(block_size=4, num_blocks=num_blocks)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, admission_backoff_steps=backoff_steps), bm)
 
@@ -110,6 +110,25 @@ def test_a_waiting_request_runs_once_the_running_ones_leave_it_room_and_never_wa
     alone.add(huge)
     alone.growth_share = 1.0
     assert [item.seq.seq_id for item in alone.schedule().scheduled] == [huge.seqs[0].seq_id]
+
+
+def test_a_cpu_engine_backs_off_by_default_and_the_option_overrides_it():
+    """Unset, a CPU engine takes CPU_ADMISSION_BACKOFF_STEPS (a prompt recomputed there costs its whole prefill
+    again); a scheduler built without an engine admits on demand, as vLLM's."""
+    from paged_backend.config import CPU_ADMISSION_BACKOFF_STEPS
+
+    model, tok = get_model("tiny-llama", torch.float32)
+    assert LLMEngine(model, tokenizer=tok, num_blocks=8).config.scheduler.admission_backoff_steps == \
+        CPU_ADMISSION_BACKOFF_STEPS == 512
+    assert LLMEngine(model, tokenizer=tok, num_blocks=8, admission_backoff_steps=7).scheduler.config \
+        .admission_backoff_steps == 7
+    scheduler = _scheduler(num_blocks=8, backoff_steps=None)
+    victim = _group("v", 4, 4)
+    scheduler.add(victim)
+    scheduler.schedule()
+    scheduler.running.remove(victim)
+    scheduler._preempt(victim, SchedulerOutput())
+    assert scheduler.growth_share == 0.0
 
 
 def test_admission_backoff_steps_must_be_a_non_negative_integer():

@@ -13,7 +13,7 @@ from paged_backend.sampling.beam_search import BeamSearchState
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.worker.compute_thread import run_on_compute_thread
 from paged_backend.worker.cache_engine import CacheEngine, KVGeometry, kv_cache_torch_dtype, kv_geometry
-from paged_backend.config import EngineConfig, SpeculativeConfig
+from paged_backend.config import CPU_ADMISSION_BACKOFF_STEPS, EngineConfig, SpeculativeConfig
 from paged_backend.engine.detokenizer import stop_string_in_candidate
 from paged_backend.errors import EngineDeadError, InvalidRequest
 from paged_backend.engine.lora_manager import LoRAManager
@@ -108,6 +108,8 @@ class LLMEngine(StepLoop):
         self.block_manager = BlockManager(cache.block_size, self.kv_size.num_blocks, self.kv_size.num_swap_blocks,
                                           cache.watermark, cache.enable_prefix_caching, self.sliding_window)
         self.loras = self._make_lora_manager()
+        if self.config.scheduler.admission_backoff_steps is None:   # see CPU_ADMISSION_BACKOFF_STEPS
+            self.config.scheduler.admission_backoff_steps = CPU_ADMISSION_BACKOFF_STEPS if self.device.type == "cpu" else 0
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager,
                                    self.config.lora.max_loras if self.loras is not None else None,
                                    swap_single=self.device.type == "cpu")
