@@ -68,17 +68,22 @@ def test_the_reserve_counts_each_running_sequences_remaining_tokens_times_the_sh
         assert scheduler._growth_blocks([growing.seqs[0], done.seqs[0]]) == blocks
 
 
+def _share_after_a_preemption(backoff_steps) -> float:
+    """The growth share of a scheduler whose only running request was just preempted."""
+    scheduler = _scheduler(num_blocks=8, backoff_steps=backoff_steps)
+    victim = _group("v", 4, 4)
+    scheduler.add(victim)
+    scheduler.schedule()
+    scheduler.running.remove(victim)
+    scheduler._preempt(victim, SchedulerOutput())
+    return scheduler.growth_share
+
+
 def test_a_preemption_sets_the_share_and_it_fades_over_the_configured_steps():
     """A preemption sets the share to 1; each step takes 1 / admission_backoff_steps off it until it is 0. With
     admission_backoff_steps 0 a preemption leaves admission on demand."""
     for steps, expected in ((4, 1.0), (0, 0.0)):
-        scheduler = _scheduler(num_blocks=8, backoff_steps=steps)
-        victim = _group("v", 4, 4)
-        scheduler.add(victim)
-        scheduler.schedule()
-        scheduler.running.remove(victim)
-        scheduler._preempt(victim, SchedulerOutput())
-        assert scheduler.growth_share == expected
+        assert _share_after_a_preemption(steps) == expected
     shares = []
     scheduler = _scheduler(num_blocks=8, backoff_steps=4)
     scheduler.growth_share = 1.0
@@ -122,13 +127,7 @@ def test_a_cpu_engine_backs_off_by_default_and_the_option_overrides_it():
         CPU_ADMISSION_BACKOFF_STEPS == 512
     assert LLMEngine(model, tokenizer=tok, num_blocks=8, admission_backoff_steps=7).scheduler.config \
         .admission_backoff_steps == 7
-    scheduler = _scheduler(num_blocks=8, backoff_steps=None)
-    victim = _group("v", 4, 4)
-    scheduler.add(victim)
-    scheduler.schedule()
-    scheduler.running.remove(victim)
-    scheduler._preempt(victim, SchedulerOutput())
-    assert scheduler.growth_share == 0.0
+    assert _share_after_a_preemption(None) == 0.0
 
 
 def test_admission_backoff_steps_must_be_a_non_negative_integer():
