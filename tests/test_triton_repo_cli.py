@@ -30,6 +30,7 @@ NON_DEFAULT = {
     "max_num_batched_tokens": ["--max-num-batched-tokens", "1024"],
     "max_model_len": ["--max-model-len", "300"],
     "preemption_mode": ["--preemption-mode", "swap"],
+    "admission_backoff_steps": ["--admission-backoff-steps", "64"],
     "enable_prefix_caching": ["--no-enable-prefix-caching"],
     "tensor_parallel_size": ["--tensor-parallel-size", "2", "--kind", "KIND_MODEL"],
     "compile": ["--compile", "blocking"],

@@ -4,7 +4,8 @@ repository written for Triton's vLLM backend loads unchanged; values may be stri
 Three kinds of keys besides `model`:
 - with a meaning here, read and passed on with vLLM's meaning (`dtype: "auto"` is the checkpoint's dtype,
   `gpu_memory_utilization` a share of the device's memory, `swap_space` GiB, ...), plus this engine's own
-  sizing options (`num_blocks`, `kv_cache_memory`, `num_swap_blocks`, `preemption_mode`, `watermark`);
+  sizing and scheduling options (`num_blocks`, `kv_cache_memory`, `num_swap_blocks`, `preemption_mode`, `watermark`,
+  `admission_backoff_steps`);
 - with no meaning here (CUDA graphs, Ray, request logging, download folders, ...): accepted, logged once;
 - implemented only at vLLM's default (pipeline parallelism, quantization, ...): other values refused.
 `enable_lora` (with `max_loras`, `max_lora_rank`, `max_cpu_loras`) serves the adapters of `multi_lora.json`.
@@ -112,6 +113,7 @@ _ENGINE_ARGS: Dict[str, tuple] = {
     # this engine's own sizing options
     "num_blocks": (_optional(to_int), "num_blocks"), "kv_cache_memory": (_optional(_memory), "kv_cache_memory"),
     "num_swap_blocks": (_optional(to_int), "num_swap_blocks"), "watermark": (to_float, "watermark"),
+    "admission_backoff_steps": (_optional(to_int), "admission_backoff_steps"),
     "compile": (_compile, "compile"),   # the compiled forward (off unless asked; vLLM's enforce_eager is the default)
     # LoRA adapters (multi_lora.json)
     "enable_lora": (to_bool, "enable_lora"), "max_loras": (to_int, "max_loras"),
