@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Deque, List, Optional
+from typing import Deque, Iterable, List, Optional
 
 from paged_backend.config import SchedulerConfig
 from paged_backend.core.block_manager import AllocStatus, BlockManager
@@ -357,7 +357,7 @@ class Scheduler:
             self._schedule_chunks(group, out, budget)
         self.waiting.extendleft(reversed(deferred))
 
-    def _growth_blocks(self, seqs) -> int:
+    def _growth_blocks(self, seqs: Iterable[Sequence]) -> int:
         """Blocks that `seqs` would add growing by `growth_share` of the tokens their length limit (max_tokens or
         the context) still allows them; none under a sliding window, where a sequence holds a window's blocks."""
         bm, share = self.block_manager, self.growth_share
