@@ -680,6 +680,13 @@ def test_quick_compiled_decode_study(tmp_path):
     assert row["compiled_stats"]["eager_steps"] == 0 and row["decode_ms"]["compiled"]["median"] > 0
     assert row["weight_bytes"] > 0 and 0 < row["floor_ms"] < row["decode_ms"]["eager"]["median"]
     assert set(row["starts_s"]) == {"later"} and result["bandwidth"]["best_gb_s"] > 0
+    # the floor is read again before every repetition, and each repetition's compiled step is divided by its own
+    reps = result["config"]["repetitions"]
+    floors, ratios = row["floors_ms"]["values"], row["to_floor"]["values"]
+    assert len(floors) == len(ratios) == len(row["decode_ms"]["compiled"]["values"]) == reps
+    for floor, ratio, compiled in zip(floors, ratios, row["decode_ms"]["compiled"]["values"]):
+        assert floor > 0 and ratio == pytest.approx(compiled / floor)
+    assert row["floor_ms"] == row["floors_ms"]["median"]
 
 
 def test_quick_lora_study(tmp_path):
