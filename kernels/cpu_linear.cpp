@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -48,6 +49,18 @@ typedef uint32_t WideBits __attribute__((vector_size(kVectorBytes)));
 typedef _Float16 HalfVector __attribute__((vector_size(kVectorBytes / 2)));
 
 enum WeightKind : int64_t { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+
+// Whether the products that read each weight once (one to a few rows of x) prefetch it non-temporally
+// (`prefetchnta`): a batch-1 decode step of a model larger than the last-level cache streams every weight once,
+// and prefetched into every level it evicts what the rest of the step runs on (the interpreter, the dispatcher,
+// the sampler), which then runs from memory each step. Set per process (`linear_rows_set_streaming`) by whoever
+// knows the model's size; a hint only, the sums are the same either way.
+std::atomic<bool> stream_weights{false};
+
+inline void prefetch_weights(const void* p) {
+  if (stream_weights.load(std::memory_order_relaxed)) __builtin_prefetch(p, 0, 0);   // x86: prefetchnta
+  else __builtin_prefetch(p);
+}
 
 // The element type of a kind's operands.
 template <int64_t Kind>
@@ -145,7 +158,7 @@ inline void dot_tile(const Element<Kind>* weight, int64_t k, const float* x, int
   for (int64_t i = 0; i < vec_end; i += L) {
     FloatVector a[R];
     if (i % kLine == 0)   // once per 64-byte line: the next tile's rows, a tile ahead of the reads
-      for (int64_t r = 0; r < R; ++r) __builtin_prefetch(w + (R + r) * k + i);
+      for (int64_t r = 0; r < R; ++r) prefetch_weights(w + (R + r) * k + i);
     for (int64_t r = 0; r < R; ++r) a[r] = widen<Kind>(w + r * k + i);
     for (int64_t m = 0; m < M; ++m) {
       const FloatVector xv = cpu_kernels::load<float>(x + m * k + i);
@@ -174,7 +187,7 @@ inline float dot_row(const Element<Kind>* w, int64_t k, const float* x) {
   FloatVector a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t i = 0;
   for (; i + kStep <= k; i += kStep) {
-    for (int64_t p = 0; p < kStep; p += kLine) __builtin_prefetch(w + i + p + kAhead);
+    for (int64_t p = 0; p < kStep; p += kLine) prefetch_weights(w + i + p + kAhead);
     a0 += widen<Kind>(w + i) * cpu_kernels::load<float>(x + i);
     a1 += widen<Kind>(w + i + L) * cpu_kernels::load<float>(x + i + L);
     a2 += widen<Kind>(w + i + 2 * L) * cpu_kernels::load<float>(x + i + 2 * L);
@@ -252,7 +265,7 @@ inline void dot_tile_bf16(const uint16_t* weight, int64_t k, const uint16_t* x, 
   for (int64_t r = 0; r < R; ++r)
     for (int64_t m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t i = 0; i < vec_end; i += kBf16Lanes) {   // one 64-byte line of each row per step
-    for (int64_t r = 0; r < R; ++r) __builtin_prefetch(w + (R + r) * k + i);
+    for (int64_t r = 0; r < R; ++r) prefetch_weights(w + (R + r) * k + i);
     __m512bh a[R];
     for (int64_t r = 0; r < R; ++r) a[r] = bf16_load(w + r * k + i);
     for (int64_t m = 0; m < M; ++m) {
@@ -278,8 +291,8 @@ inline float dot_row_bf16(const uint16_t* w, int64_t k, const uint16_t* x) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 2 * kBf16Lanes <= k; i += 2 * kBf16Lanes) {
-    __builtin_prefetch(w + i + kAhead);
-    __builtin_prefetch(w + i + kBf16Lanes + kAhead);
+    prefetch_weights(w + i + kAhead);
+    prefetch_weights(w + i + kBf16Lanes + kAhead);
     a0 = _mm512_dpbf16_ps(a0, bf16_load(w + i), bf16_load(x + i));
     a1 = _mm512_dpbf16_ps(a1, bf16_load(w + i + kBf16Lanes), bf16_load(x + i + kBf16Lanes));
   }
@@ -797,6 +810,11 @@ int linear_kind(const void* x, int64_t x_stride, const void* const* weights, con
 }  // namespace
 
 extern "C" {
+
+// Weights of the one-to-few-row products prefetched non-temporally (on: nonzero) or into every cache level.
+void linear_rows_set_streaming(int64_t on) { stream_weights.store(on != 0, std::memory_order_relaxed); }
+
+int64_t linear_rows_streaming() { return stream_weights.load(std::memory_order_relaxed) ? 1 : 0; }
 
 // outs[s][m, ns[s]] = x[m, k] W_s[ns[s], k]^T (+ biases[s]) for `count` weights over one x, all of one kind (0:
 // bfloat16, 1: float16, 2: float32); x has a row stride, the weights, biases (null: none) and outputs are

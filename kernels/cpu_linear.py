@@ -69,6 +69,8 @@ def define_ops() -> None:
         for count in GROUP_SIZES:
             library.define(group_schema(count))
         library.define("linear_rows_kernel_calls() -> int")
+        library.define("linear_rows_set_streaming(bool on) -> ()")
+        library.define("linear_rows_streaming() -> bool")
         library.define("linear_rows_native_bfloat16() -> bool")
         library.define("linear_rows_blocked_from(int kind) -> int")
         _operators.append(library)
@@ -86,6 +88,47 @@ def op_available() -> bool:
 def kernel_calls() -> int:
     """How many calls of `torch.ops.paged_backend.linear_rows` ran the kernel in this process (0 without it)."""
     return int(torch.ops.paged_backend.linear_rows_kernel_calls()) if op_available() else 0
+
+
+def set_streaming(on: bool) -> None:
+    """Prefetch the weights of one-to-few-row products non-temporally (on) or into every cache level (off, the
+    default), for the whole process: a hint, the sums are the same either way (see `stream_weights`)."""
+    if op_available():
+        torch.ops.paged_backend.linear_rows_set_streaming(bool(on))
+
+
+def streaming() -> bool:
+    """Whether the kernel prefetches weights non-temporally now (False without the kernel)."""
+    return bool(torch.ops.paged_backend.linear_rows_streaming()) if op_available() else False
+
+
+def stream_weights(weight_bytes: int, cache_bytes: Optional[int] = None) -> bool:
+    """Whether a model of `weight_bytes` should stream its weights past the caches: when they exceed the last-level
+    cache (`cache_bytes`, this machine's by default; unknown: no). A batch-1 decode step then reads every weight
+    from memory whatever it does, and prefetched into every level the weights evict what the rest of the step
+    runs on each step (smollm2 bfloat16 compiled on a 2-core AVX-512 EPYC with a 32 MiB L3, one process
+    alternating: 11.02 -> 9.92 ms a step, faster in 13 of 14 pairs; its greedy sampling 0.31 -> 0.26 ms). A
+    model that fits keeps its weights cached from step to step instead."""
+    if cache_bytes is None:
+        cache_bytes = last_level_cache_bytes()
+    return cache_bytes is not None and weight_bytes > cache_bytes
+
+
+@lru_cache(maxsize=None)
+def last_level_cache_bytes() -> Optional[int]:
+    """The largest CPU cache of cpu0 as Linux reports it (/sys/devices/system/cpu/cpu0/cache), None if unknown."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes) if sizes else None
 
 
 def native_bfloat16() -> bool:

@@ -116,6 +116,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_rows_4_cpu(
   return {outs[0], outs[1], outs[2], outs[3]};
 }
 
+void set_streaming(bool on) { linear_rows_set_streaming(on ? 1 : 0); }
+
+bool streaming() { return linear_rows_streaming() != 0; }
+
 int64_t linear_rows_kernel_calls() { return kernel_calls.load(std::memory_order_relaxed); }
 
 bool linear_rows_native_bfloat16() { return kNativeBFloat16; }
@@ -136,6 +140,8 @@ TORCH_LIBRARY_IMPL(paged_backend, CPU, m) {
 
 TORCH_LIBRARY_IMPL(paged_backend, CompositeExplicitAutograd, m) {
   m.impl("linear_rows_kernel_calls", &linear_rows_kernel_calls);
+  m.impl("linear_rows_set_streaming", &set_streaming);
+  m.impl("linear_rows_streaming", &streaming);
   m.impl("linear_rows_native_bfloat16", &linear_rows_native_bfloat16);
   m.impl("linear_rows_blocked_from", &linear_rows_blocked_from);
 }

@@ -687,6 +687,9 @@ def test_quick_compiled_decode_study(tmp_path):
     for floor, ratio, compiled in zip(floors, ratios, row["decode_ms"]["compiled"]["values"]):
         assert floor > 0 and ratio == pytest.approx(compiled / floor)
     assert row["floor_ms"] == row["floors_ms"]["median"]
+    # weights larger than the last-level cache are prefetched non-temporally (tiny-llama's fit in most)
+    from paged_backend.kernels import cpu_linear
+    assert row["compiled_stats"]["streamed_weights"] == cpu_linear.stream_weights(row["weight_bytes"])
 
 
 def test_quick_lora_study(tmp_path):

@@ -145,10 +145,11 @@ class CompileStats:
     buckets: Dict[str, BucketState] = field(default_factory=lambda: {b: BucketState() for b in BUCKETS})
     eager_steps: int = 0      # steps run eagerly because their bucket was not ready
     linear_kernels: int = 0   # linear layers compiled as our kernel's operator (kernel_linear.py)
+    streamed_weights: bool = False   # the kernel prefetches weights non-temporally (larger than the caches)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "cache_dir": self.cache_dir, "eager_steps": self.eager_steps,
-                "linear_kernels": self.linear_kernels,
+                "linear_kernels": self.linear_kernels, "streamed_weights": self.streamed_weights,
                 "buckets": {name: state.as_dict() for name, state in self.buckets.items()}}
 
 
@@ -161,9 +162,10 @@ class CompiledForward:
         if mode not in ("background", "blocking"):
             raise ValueError(f"CompiledForward mode must be 'background' or 'blocking', got {mode!r}")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
-        from paged_backend.worker.kernel_linear import use_linear_kernel
+        from paged_backend.worker.kernel_linear import stream_kernel_weights, use_linear_kernel
 
         linear_kernels = use_linear_kernel(model)   # the linear layers our kernel serves on this CPU, when compiled
+        streamed = stream_kernel_weights(model) if linear_kernels else False
         self.eager = eager_forward(model)
         self._compiled = torch.compile(_own_code(eager_forward(model)), fullgraph=True,
                                        backend=inductor_beside_forwards,
@@ -173,7 +175,8 @@ class CompiledForward:
         self._scratch = _ScratchStep(cache_engine)
         self._paged_attention = paged_attention
         self._windows: set = set()   # the sliding windows (None: none) of the model's attention layers, as met
-        self.stats = CompileStats(mode, os.environ["TORCHINDUCTOR_CACHE_DIR"], linear_kernels=linear_kernels)
+        self.stats = CompileStats(mode, os.environ["TORCHINDUCTOR_CACHE_DIR"], linear_kernels=linear_kernels,
+                                  streamed_weights=streamed)
         self._done = threading.Event()
         # Dropped objects that still hold hooks on the model (a LoRA runner in a reference cycle keeps its forward
         # hooks until the collector runs its finalizer) go now: a collection in the middle of a trace would take

@@ -64,3 +64,12 @@ def use_linear_kernel(model: torch.nn.Module) -> int:
                 module.kernel_max_rows = limit
                 swapped += 1
     return swapped
+
+
+def stream_kernel_weights(model: torch.nn.Module) -> bool:
+    """Have the kernel prefetch weights non-temporally when `model`'s weights exceed the last-level cache
+    (`cpu_linear.stream_weights`; a process-wide hint, the sums do not change) and say whether it does now."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+    on = cpu_linear.stream_weights(weight_bytes)
+    cpu_linear.set_streaming(on)
+    return cpu_linear.streaming()
