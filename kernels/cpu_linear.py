@@ -115,10 +115,10 @@ def stream_weights(weight_bytes: int, cache_bytes: Optional[int] = None) -> bool
 
 
 @lru_cache(maxsize=None)
-def last_level_cache_bytes() -> Optional[int]:
-    """The largest CPU cache of cpu0 as Linux reports it (/sys/devices/system/cpu/cpu0/cache), None if unknown."""
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> Optional[int]:
+    """The largest CPU cache of cpu0 as Linux reports it (`root`/index*/size, e.g. "32768K"), None if unknown."""
     sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    for index in Path(root).glob("index*"):
         try:
             text = (index / "size").read_text().strip()
         except OSError:

@@ -1,7 +1,7 @@
 """Non-temporal weight prefetch in the linear kernel (kernels/cpu_linear.cpp, `stream_weights`): a process-wide
 hint that a compiled forward turns on when its model's weights exceed the last-level cache. The sums must not
-change with it, in every path that reads each weight once (one row of x: row by row and in tiles; a few rows: tiles),
-and the decision follows the model's size."""
+change with it, in the paths that read each weight once (one row of x: row by row and in tiles; two rows of
+bfloat16: tiles) nor in the blocked product beside them, and the decision follows the model's size."""
 
 from __future__ import annotations
 
@@ -38,12 +38,22 @@ def test_streamed_products_have_the_same_bits(restore_streaming, dtype, rows, k)
 
 def test_streaming_follows_the_weights_against_the_cache(restore_streaming, monkeypatch):
     assert cpu_linear.stream_weights(100, cache_bytes=50) and not cpu_linear.stream_weights(50, cache_bytes=50)
-    assert not cpu_linear.stream_weights(10**12, cache_bytes=None) or cpu_linear.last_level_cache_bytes()
     llc = cpu_linear.last_level_cache_bytes()
     assert llc is None or llc >= 2**20   # Linux reports the L2 or L3 on any CPU the tests run on
+    monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: None)
+    assert not cpu_linear.stream_weights(10**12)   # an unknown cache: no streaming
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64, bias=False))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: weight_bytes - 1)
     assert stream_kernel_weights(model) and cpu_linear.streaming()
     monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: weight_bytes)
     assert not stream_kernel_weights(model) and not cpu_linear.streaming()
+
+
+def test_last_level_cache_is_the_largest_size_sysfs_reports(tmp_path):
+    for index, size in enumerate(["32K", "32K", "1024K", "32768K"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    (tmp_path / "index4").mkdir()   # no size file: skipped
+    assert cpu_linear.last_level_cache_bytes(str(tmp_path)) == 32 * 2**20
+    assert cpu_linear.last_level_cache_bytes(str(tmp_path / "missing")) is None
