@@ -161,3 +161,32 @@ def test_a_benchmark_runs_on_the_compute_thread(uses_scratch_dir, tmp_path):
         assert torch.get_num_threads() == 1      # the report records the thread count the benchmark chose
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_callers_openmp_helpers_are_released_when_it_hands_work_to_the_compute_thread():
+    """libgomp spins its helpers between parallel regions only while the process holds no more of them than it has
+    cores; a caller that ran one parallel operator of its own (a user's main thread) keeps a helper, and every
+    step's regions then wake sleeping helpers (smollm2 bfloat16 batch-1 steps 7.6-9 -> 16-20 ms on 2 cores).
+    Handing work to the compute thread releases the caller's helpers (in a subprocess: a fresh thread layout)."""
+    import subprocess
+    import sys
+
+    code = """
+import os, torch
+from paged_backend.worker import compute_thread
+torch.set_num_threads(2)
+threads = lambda: len(os.listdir("/proc/self/task"))
+compute_thread.run_on_compute_thread(lambda: torch.ones(1 << 22).sum())   # the compute thread and its helper
+alone = threads()
+torch.ones(1 << 22).sum()                                                  # the caller's own helper
+with_callers = threads()
+compute_thread.run_on_compute_thread(lambda: torch.ones(1 << 22).sum())
+after = threads()
+compute_thread.submit(lambda: torch.ones(1 << 22).sum()).result()
+print(alone, with_callers, after, threads())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    alone, with_callers, after, again = map(int, done.stdout.split())
+    assert with_callers == alone + 1            # the caller's parallel region left a helper behind
+    assert after == alone and again == alone    # released; the compute thread's own team is kept
