@@ -166,7 +166,7 @@ def test_a_benchmark_runs_on_the_compute_thread(uses_scratch_dir, tmp_path):
 def test_a_callers_openmp_helpers_are_released_when_it_hands_work_to_the_compute_thread():
     """libgomp spins its helpers between parallel regions only while the process holds no more of them than it has
     cores; a caller that ran one parallel operator of its own (a user's main thread) keeps a helper, and every
-    step's regions then wake sleeping helpers (smollm2 bfloat16 batch-1 steps 7.6-9 -> 16-20 ms on 2 cores).
+    step's regions then wake sleeping helpers (smollm2 bfloat16 batch-1 steps 7.4-10 -> 15-21 ms on 2 cores).
     Handing work to the compute thread releases the caller's helpers (in a subprocess: a fresh thread layout)."""
     import subprocess
     import sys

@@ -14,7 +14,7 @@ thread; jobs run in submission order.
 
 A caller that ran parallel operators of its own (a user's main thread that built or converted a model, any
 torch work on large tensors) holds a team too, and the process is over the limit again: on 2 cores smollm2's
-bfloat16 batch-1 steps took 16-20 ms instead of 7.6-9. So every job handed here first releases the caller's
+bfloat16 batch-1 steps took 15-21 ms instead of 7.4-10. So every job handed here first releases the caller's
 helpers (OpenMP 5's `omp_pause_resource_all`, which in libgomp ends the calling thread's pool only); the caller
 gets a new helper the next time it runs a parallel region of its own.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import os
 import threading
 from typing import Callable, Optional, TypeVar
@@ -63,7 +64,7 @@ def _openmp_pause() -> Optional[Callable[[], int]]:
             function = None
         if function is not None:
             function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
-            _pause = lambda: function(_OMP_PAUSE_SOFT)  # noqa: E731
+            _pause = functools.partial(function, _OMP_PAUSE_SOFT)
         _pause_known = True
     return _pause
 
