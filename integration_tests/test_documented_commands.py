@@ -93,6 +93,9 @@ COMMANDS: Dict[str, Run] = {
     "paged-backend serve DIR --num-blocks 192 --block-size 16 --swap-space 0": Run("http", SERVE),
     "paged-backend serve path/to/hf-model --device cuda --dtype bfloat16 --tensor-parallel-size 4": Run("http", SERVE),
     "paged-backend serve --help": Run("exit"),
+    "paged-backend serve smollm2 --dtype bfloat16 --compile blocking": Run(     # compiles before it listens
+        "http", "paged-backend serve DIR --host 127.0.0.1 --port 8000 --dtype bfloat16 --compile blocking "
+                "--max-num-seqs 2 --num-blocks 32"),
     "paged-backend serve smollm2 --port 8000 --speculative-config "
     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'": Run("http"),
     "paged-backend serve smollm2 --enable-lora --max-loras 4 --lora-modules sql-lora=/adapters/sql-lora": Run(
