@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 from documented_commands import ROOT, documented_commands
+from paged_backend.adapters.ports import free_port
 from paged_backend.adapters.triton.tritonserver_process import children_of
 
 BIN = Path(sys.executable).parent      # the .venv's bin: paged-backend, torchrun
@@ -50,7 +49,7 @@ class Run:
 
 
 # Values swapped in every documented command: (pattern, replacement). `{port}` becomes a free loopback port outside
-# the kernel's ephemeral range each time (`_unused_port`), `{model_dir}` a saved tiny-llama, `{tmp}` this run's
+# the kernel's ephemeral range each time (`free_port`), `{model_dir}` a saved tiny-llama, `{tmp}` this run's
 # scratch folder.
 SMALL: List[Tuple[str, str]] = [
     (r"\bsmollm2\b", TINY),
@@ -224,59 +223,13 @@ def _parse(text: str) -> None:
 
 
 # ---- running them -------------------------------------------------------------------------------------------
-def test_the_ports_given_to_servers_are_outside_the_kernels_ephemeral_range_and_never_repeat():
-    """A server started with a port chosen here binds it seconds later (a compiled server after compiling, a
-    tensor-parallel one after its process group is up); a port from the kernel's ephemeral range could meanwhile be
-    handed to any socket the kernel numbers itself (gloo's pair listeners, torchrun's store: `Address already in
-    use` in a CI run), and two runs side by side must not get the same one."""
-    low, high = _ephemeral_range()
-    ports = [_unused_port() for _ in range(200)]
-    assert len(set(ports)) == len(ports)
-    assert all(0 < port < low or port > high for port in ports), (low, high, sorted(ports)[:5])
-    text = _substituted("paged-backend serve DIR --port 8000", {"model_dir": "m", "tmp": "t", "bin": "b"})
-    assert not low <= int(text.split()[-1]) <= high
-
-
-_GIVEN_PORTS: set = set()
-_PORTS_LOCK = threading.Lock()
-
-
-def _ephemeral_range() -> Tuple[int, int]:
-    """The ports the kernel numbers sockets from by itself (Linux's ip_local_port_range; its default elsewhere)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _unused_port() -> int:
-    """A loopback port free now, outside the ephemeral range (so nothing else is numbered with it before our server
-    binds it) and not given before in this process."""
-    low, high = _ephemeral_range()
-    candidates = range(10000, low) if low > 11000 else range(high + 1, 65536)
-    with _PORTS_LOCK:
-        for _ in range(1000):
-            port = random.choice(candidates)
-            if port in _GIVEN_PORTS:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _GIVEN_PORTS.add(port)
-            return port
-    raise AssertionError(f"no free loopback port in {candidates}")
-
-
 def _substituted(text: str, places: Dict[str, str]) -> str:
     for pattern, replacement in SMALL:
         text = re.sub(pattern, replacement, text)
     text = text.replace("{model_dir}", places["model_dir"]).replace("{tmp}", places["tmp"])
     text = text.replace("{bin}", places["bin"]).replace("{adapter_dir}", places.get("adapter_dir", "a"))
     while "{port}" in text:
-        text = text.replace("{port}", str(_unused_port()), 1)
+        text = text.replace("{port}", str(free_port()), 1)
     return text
 
 

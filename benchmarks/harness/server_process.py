@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import os
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -15,13 +14,6 @@ from typing import Deque, Dict, List, Optional, Pattern, Tuple
 
 OUR_READY = re.compile(r"ready on (http://\S+)")          # paged-backend serve and the baseline server
 UVICORN_READY = re.compile(r"Uvicorn running on (http://\S+)")
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago (for servers that cannot pick their own)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

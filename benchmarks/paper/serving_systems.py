@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Pattern
 
-from paged_backend.benchmarks.harness.server_process import OUR_READY, UVICORN_READY, free_port
+from paged_backend.adapters.ports import free_port
+from paged_backend.benchmarks.harness.server_process import OUR_READY, UVICORN_READY
 from paged_backend.worker.child_python import python_command
 
 SERVED_SYSTEMS = ("paged", "hf-serve", "oracle")
