@@ -29,6 +29,15 @@ def test_a_port_in_use_or_given_before_is_skipped(monkeypatch):
         assert free_port() == fresh
 
 
+def test_a_machine_whose_ephemeral_range_covers_every_port_still_gets_distinct_free_ports(monkeypatch):
+    import paged_backend.adapters.ports as ports
+
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))
+    got = [free_port() for _ in range(50)]
+    assert len(set(got)) == len(got) and all(1024 <= port <= 65535 for port in got)
+    assert all(_bindable(port) for port in got)
+
+
 def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
