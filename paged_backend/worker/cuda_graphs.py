@@ -18,11 +18,12 @@ the bucketing, padding and copies this way (no CUDA here), and the GPU check com
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -63,12 +64,30 @@ class GraphStats:
     buckets: List[int] = field(default_factory=list)   # captured (or, capture=False, prepared) batch sizes
     seconds: Optional[float] = None                    # capture time of all buckets
     error: Optional[str] = None                        # why capture failed (every step then runs eagerly)
+    retried_after: Optional[str] = None                # why a first attempt failed (the second one decides)
     replays: int = 0                                   # decode steps run through the buckets
     padded_rows: int = 0                               # padding rows those steps computed
 
     def as_dict(self) -> dict:
         return {"capture": self.capture, "buckets": self.buckets, "seconds": self.seconds, "error": self.error,
+                "retried_after": self.retried_after,
                 "replays": self.replays, "padded_rows": self.padded_rows}
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """Collect the process's dead reference cycles now and none until the block ends. A collection inside a
+    capture would free CUDA objects of an engine shut down before (its graphs and their memory pool, events,
+    pinned buffers) in the capturing thread, which CUDA's global capture mode forbids: the capture is then
+    invalidated (seen on an H100, 2026-12-05). SGLang and vLLM hold the collector off around capture too."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -172,21 +191,29 @@ class DecodeGraphs:
 
     # ---- capture --------------------------------------------------------------------------------------------
     def _capture_all(self) -> None:
-        """Capture every bucket, largest first, into one memory pool; on any failure no graph is kept and every
-        step runs eagerly (the reason is in `stats.error` and the log)."""
+        """Capture every bucket, largest first, into one memory pool; a failed attempt is retried once from the
+        start, and after a second failure no graph is kept and every step runs eagerly (the reason is in
+        `stats.error` and the log)."""
         began = time.perf_counter()
-        try:
-            with torch.cuda.device(self.device):   # streams, pool and graphs of the cache's device
-                pool = torch.cuda.graph_pool_handle()
-                for bucket in reversed(self.buckets):
-                    self._capture(bucket, pool)
-        except Exception as exc:  # noqa: BLE001 - a model whose forward cannot be captured still runs eagerly
-            self.graphs.clear()
-            self.outputs.clear()
-            self.stats.error = f"{type(exc).__name__}: {exc}"[:2000]
-            logger.warning("CUDA graph capture failed; decode steps run eagerly: %s", self.stats.error)
-            torch.cuda.synchronize(self.device)
-            return
+        for attempt in (1, 2):
+            try:
+                with torch.cuda.device(self.device), _no_collection():   # the cache's device: streams, pool, graphs
+                    pool = torch.cuda.graph_pool_handle()
+                    for bucket in reversed(self.buckets):
+                        self._capture(bucket, pool)
+                break
+            except Exception as exc:  # noqa: BLE001 - a model whose forward cannot be captured still runs eagerly
+                self.graphs.clear()
+                self.outputs.clear()
+                torch.cuda.synchronize(self.device)
+                reason = f"{type(exc).__name__}: {exc}"[:2000]
+                if attempt == 1:
+                    self.stats.retried_after = reason
+                    logger.warning("CUDA graph capture failed, trying once more: %s", reason)
+                    continue
+                self.stats.error = reason
+                logger.warning("CUDA graph capture failed; decode steps run eagerly: %s", reason)
+                return
         self.stats.buckets = list(self.buckets)
         self.stats.seconds = time.perf_counter() - began
         logger.info("captured CUDA graphs for %d decode batch sizes in %.1f s", len(self.buckets), self.stats.seconds)
