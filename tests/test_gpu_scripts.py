@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import get_model
-from paged_backend.benchmarks.gpu import gpu_engine, gpu_kernels, gpu_overlap
+from paged_backend.benchmarks.gpu import gpu_capture, gpu_engine, gpu_kernels, gpu_overlap
 
 
 def test_the_scripts_refuse_without_cuda(monkeypatch, capsys):
@@ -15,6 +15,7 @@ def test_the_scripts_refuse_without_cuda(monkeypatch, capsys):
     assert gpu_engine.main([]) == 2
     assert gpu_kernels.main([]) == 2
     assert gpu_overlap.main([]) == 2
+    assert gpu_capture.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
@@ -130,14 +131,15 @@ def test_the_session_script_lays_out_the_package_and_reaches_each_part(tmp_path)
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, GPU_PARTS="throughput engine overlap",
+    env = dict(os.environ, GPU_PARTS="throughput engine overlap capture",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                ENGINE_ARGS="--presets tiny-llama", OVERLAP_ARGS="--batches 2 --steps 2 --skip-graph-tokens",
                THROUGHPUT_ARGS="--throughput-requests 4")   # docs/gpu.md's options: argparse takes them first
     done = subprocess.run(["bash", "benchmarks/gpu/gpu_session.sh", str(tmp_path)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
-    for log, part in (("gpu_throughput", "gpu_engine"), ("gpu_engine", "gpu_engine"), ("gpu_overlap", "gpu_overlap")):
+    for log, part in (("gpu_throughput", "gpu_engine"), ("gpu_engine", "gpu_engine"), ("gpu_overlap", "gpu_overlap"),
+                      ("gpu_capture", "gpu_capture")):
         assert f"{part} needs a CUDA GPU" in (tmp_path / f"{log}.log").read_text()
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU session's one prepared run: our throughput against transformers' (gpu_engine --only-throughput), the
 # engine's checks on CUDA (gpu_engine --skip-throughput), its own time per step with and without overlapped
-# scheduling and CUDA graphs (gpu_overlap), then the Triton kernels' checks and decode timings (gpu_kernels).
+# scheduling and CUDA graphs (gpu_overlap), CUDA graph capture beside a dead engine (gpu_capture), then the Triton
+# kernels' checks and decode timings (gpu_kernels).
 # Runs where the machine's python3 already holds torch, triton and transformers (nothing is installed: the
 # package is laid out from the working tree as pyproject maps it).
 # Needs the smollm2 tokenizer (the tiny presets use it) under $PAGED_BACKEND_CACHE/v1/smollm2-tokenizer.
@@ -41,6 +42,8 @@ parts=" ${GPU_PARTS:-throughput engine overlap kernels} "
     --output "$out" ${ENGINE_ARGS:-} 2>&1 | grep -v Warning | tee "$out/gpu_engine.log" || status=1; }
 [[ $parts == *" overlap "* ]] && { timeout "${OVERLAP_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_overlap --output "$out" ${OVERLAP_ARGS:-} 2>&1 \
     | grep -v Warning | tee "$out/gpu_overlap.log" || status=1; }
+[[ $parts == *" capture "* ]] && { timeout "${CAPTURE_TIMEOUT:-120}" python3 -m paged_backend.benchmarks.gpu.gpu_capture --output "$out" \
+    ${CAPTURE_ARGS:-} 2>&1 | grep -v Warning | tee "$out/gpu_capture.log" || status=1; }
 [[ $parts == *" kernels "* ]] && { timeout "${KERNELS_TIMEOUT:-240}" python3 -m paged_backend.benchmarks.gpu.gpu_kernels \
     --output "$out/kernels_gpu.md" --kv-cache-dtype float8_e4m3fn 2>&1 | tee "$out/gpu_kernels.log" || status=1; }
 exit $status
