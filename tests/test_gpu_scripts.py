@@ -45,7 +45,7 @@ def test_the_graph_token_check_on_the_cpu_runs_the_padded_steps(monkeypatch):
 def test_transformers_continuous_batching_baseline_runs_and_reruns(monkeypatch):
     monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
     model, _ = get_model("tiny-llama", torch.float32)
-    baseline = gpu_engine.HFContinuous(model)
+    baseline = gpu_engine.HFContinuous(model, num_blocks=4, max_batch_tokens=64)   # not 40% of the host's memory
     work = [([5 + i, 7, 9, 11], 3 + i) for i in range(3)]
     try:
         assert baseline.seconds(work) > 0 and baseline.seconds(work) > 0   # the kept manager serves a second run

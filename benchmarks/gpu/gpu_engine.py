@@ -425,13 +425,15 @@ class HFContinuous:
     """transformers' continuous batching (the manager behind `generate_batch`, its CUDA graphs warmed up once and
     kept between runs), each request forced to its length."""
 
-    def __init__(self, model, max_memory_percent: float = 0.4) -> None:
+    def __init__(self, model, max_memory_percent: float = 0.4, **sizes) -> None:
+        """`sizes`: the cache's `num_blocks` and `max_batch_tokens` when not sized from free memory (a CPU smoke
+        run: 40% of a host's memory is gigabytes that transformers fills before the first request)."""
         from transformers import GenerationConfig
 
         self.model = model
         self.generation = GenerationConfig(do_sample=False, max_new_tokens=256, eos_token_id=-1, pad_token_id=0)
         self.config = hf_continuous_config(block_size=256, allow_block_sharing=False,
-                                           max_memory_percent=max_memory_percent)
+                                           max_memory_percent=max_memory_percent, **sizes)
         self.warm = False
 
     def seconds(self, work: List[tuple], timeout_s: float = 300.0) -> float:
