@@ -28,6 +28,7 @@ def test_the_overlap_timing_on_the_cpu_reports_both_ways_with_the_same_tokens(mo
     assert all(0 < r["device_ms_per_step"] and 0 < r["device_busy"] <= 1 for r in rows), rows
     assert all(r["between_forwards_ms"] >= 0 and r["engine_thread_cpu_ms"] > 0 and r["forward_thread_cpu_ms"] > 0
                for r in rows), rows
+    assert all(0 < r["sampler_host_ms"] == r["sampler_device_ms"] for r in rows), rows   # every step's draws timed
     assert "| 2 | greedy | off | on |" in gpu_overlap.report_markdown({"device": "cpu", "model": "tiny", "rows": rows})
 
 

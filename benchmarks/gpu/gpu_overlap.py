@@ -86,6 +86,46 @@ class TimedRunner:
         self.runner.shutdown()
 
 
+class TimedSampler:
+    """Wraps the engine's draws (`tokens.sample` and `sample_later`, called on the thread that runs the forwards):
+    the host's wall time of each call (enqueueing the sampler's operators, and for `sample` waiting for the tokens)
+    and, on CUDA, the device's time from the call's start to its end (CUDA events on either side: the sampler's
+    kernels, plus any wait for the host to enqueue them after the forward ended)."""
+
+    def __init__(self, tokens, device: str) -> None:
+        self.device, self.host_ms, self.spans = device, [], []
+        for name in ("sample", "sample_later"):
+            setattr(tokens, name, self._timed(getattr(tokens, name)))
+
+    def _timed(self, draw):
+        def timed(*args, **kwargs):
+            begin = end = None
+            if self.device == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            start = time.perf_counter()
+            try:
+                return draw(*args, **kwargs)
+            finally:
+                self.host_ms.append(1000 * (time.perf_counter() - start))
+                if end is not None:
+                    end.record()
+                self.spans.append((begin, end))
+        return timed
+
+    def medians(self, first: int) -> dict:
+        """Median host ms and device ms (the host's figure on a CPU) of calls `first`.. (after a synchronize)."""
+        host = self.host_ms[first:]
+        if not host:
+            return {}
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            device = [a.elapsed_time(b) for a, b in self.spans[first:]]
+        else:
+            device = host
+        return {"sampler_host_ms": statistics.median(host), "sampler_device_ms": statistics.median(device)}
+
+
 def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: bool = False,
             device_fill: bool = True, sampled: bool = False) -> dict:
     """Decode steps of `batch` greedy sequences: wall and device time per step, and the tokens. `device_fill`
@@ -98,13 +138,14 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: b
                        enforce_eager=not graphs)
     captured = engine.runner.graphs is not None and engine.runner.graphs.stats.error is None
     timed = engine.runner = TimedRunner(engine.runner, device, device_fill)
+    draws = TimedSampler(engine.tokens, device)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True, **(
             dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled else dict(temperature=0))))
     for _ in range(4):   # prefill, then decoding
         engine.step()
     gpu_engine._sync()
-    first = len(timed.spans)
+    first, first_draw = len(timed.spans), len(draws.host_ms)
     start, cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         engine.step()
@@ -113,6 +154,7 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: b
     engine_cpu_ms = 1000 * (time.thread_time() - cpu)
     device_ms = timed.device_ms(first)
     gap_ms, worker_cpu_ms = timed.gap_ms(first), timed.forward_thread_cpu_ms(first)
+    sampler = draws.medians(first_draw)
     finals, errors = {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -127,7 +169,7 @@ def measure(model, batch: int, overlap: bool, steps: int, device: str, graphs: b
             "sampled": sampled, "step_ms": wall_ms / steps,
             "device_ms_per_step": device_ms / steps, "device_busy": min(1.0, device_ms / wall_ms),
             "between_forwards_ms": gap_ms, "engine_thread_cpu_ms": engine_cpu_ms / steps,
-            "forward_thread_cpu_ms": worker_cpu_ms,
+            "forward_thread_cpu_ms": worker_cpu_ms, **sampler,
             "tokens": [finals[str(i)] for i in range(batch)]}
 
 
@@ -213,7 +255,7 @@ def report_markdown(result: dict) -> str:
              result["model"], "",
              "| sequences | rows | CUDA graphs | overlap | device fill | step ms | device ms per step | device busy | "
              "same tokens, overlap on/off | same tokens as eager | between forwards ms | engine thread CPU ms | "
-             "forward thread CPU ms |", "|" + " --- |" * 13]
+             "forward thread CPU ms | sampler host ms | sampler device ms |", "|" + " --- |" * 15]
     for r in result.get("rows", []):
         lines.append(f"| {r['batch']} | {'top-p 0.95' if r.get('sampled') else 'greedy'} | "
                      f"{'on' if r.get('graphs') else 'off'} | {'on' if r['overlap'] else 'off'} | "
@@ -221,7 +263,8 @@ def report_markdown(result: dict) -> str:
                      f"{r['device_ms_per_step']:.2f} | {100 * r['device_busy']:.0f}% | "
                      f"{'yes' if r['same_tokens'] else 'NO'} | {'yes' if r.get('same_as_eager', True) else 'no'} | "
                      + " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in
-                                  ("between_forwards_ms", "engine_thread_cpu_ms", "forward_thread_cpu_ms")) + " |")
+                                  ("between_forwards_ms", "engine_thread_cpu_ms", "forward_thread_cpu_ms",
+                                   "sampler_host_ms", "sampler_device_ms")) + " |")
     for dtype, checks in result.get("graph_tokens", {}).items():
         lines += ["", f"## CUDA graph replay, padded decode batches, {dtype}", "",
                   "| sequences | same as the padded steps run eagerly | same as the plain eager engine | replays | "
